@@ -1,0 +1,8 @@
+//! `durability`: durable work inside objects.
+//!
+//! The capabilities of this crate run inside an *object* (an actor that owns
+//! one SQLite database and one persistent alarm) and see it only through
+//! [`durability_platform::Context`], so the same code runs on the embedded
+//! host (`durability-host`) and, later, inside Cloudflare Durable Objects.
+
+pub use durability_platform as platform;

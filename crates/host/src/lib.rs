@@ -1,0 +1,1 @@
+//! The embedded object host of `durability`.
