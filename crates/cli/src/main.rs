@@ -1,1 +1,66 @@
-fn main() {}
+//! The `durability` binary: the one place that knows both the object host and
+//! the capabilities, and the only code of the workspace that prints to the
+//! terminal.
+//!
+//! Each subcommand lives in its own module (`demo`, `inspect`, `bench`) with
+//! its own clap arguments and its own error type; this file only parses the
+//! command line, sets up logging and turns an error into an exit code.
+
+mod bench;
+
+use std::error::Error as _;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// Durable work inside objects: small actors that each own an embedded SQLite
+/// database and one persistent alarm.
+#[derive(Debug, Parser)]
+#[command(name = "durability", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Measure a scenario: progress bars, a summary table, optional JSON.
+    Bench(bench::BenchArgs),
+}
+
+/// Why a subcommand failed. Each variant is the error of one subcommand,
+/// which names what it was doing.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Bench(#[from] bench::BenchError),
+}
+
+fn main() -> ExitCode {
+    // Logs go to stderr so that `--json` output on stdout stays parseable.
+    // Quiet by default; RUST_LOG=info (or debug) shows the host's lifecycle.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let cli = Cli::parse();
+    let outcome: Result<(), CliError> = match cli.command {
+        Command::Bench(args) => bench::run(&args).map_err(CliError::from),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error}");
+            let mut source = error.source();
+            while let Some(cause) = source {
+                eprintln!("  caused by: {cause}");
+                source = cause.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

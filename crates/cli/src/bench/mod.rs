@@ -1,0 +1,211 @@
+//! `durability bench SCENARIO`: a registry of named scenarios, the
+//! environment they run in (a data directory, the quick switch, progress
+//! bars) and how their results are shown (a summary table) and saved (JSON).
+//!
+//! Speed is measured here and only here; tests never assert timing. Every
+//! scenario runs on real time and real files. Scenarios that exercise the
+//! host divide their rates by the raw SQLite floor ([`sqlite_floor`])
+//! measured in the same run, so a figure reads "x % of what the disk allows"
+//! rather than a number that only means something on this machine.
+
+mod latency;
+mod report;
+mod sqlite_floor;
+
+use std::fs;
+use std::path::PathBuf;
+
+use clap::builder::{PossibleValue, PossibleValuesParser};
+use indicatif::{ProgressBar, ProgressStyle};
+
+pub use latency::Latency;
+pub use report::{Measurement, ScenarioReport};
+
+/// Arguments of `durability bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// The scenario to run.
+    #[arg(value_parser = PossibleValuesParser::new(SCENARIOS.iter().map(Scenario::possible_value)))]
+    scenario: String,
+    /// Also write the results to FILE as one JSON object (fields `scenario`,
+    /// `ops_per_sec`, `p50_us`, `p99_us`, then every measurement).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Shrink every size so that the run takes seconds (smoke runs, CI).
+    #[arg(long)]
+    quick: bool,
+    /// Where the scenario puts its databases. Default: a fresh temporary
+    /// directory, removed afterwards. Give a directory on the disk you care
+    /// about: the figures are mostly the cost of its fsync.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+}
+
+/// Why a benchmark could not run or could not save its results.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("{what}: {source}")]
+    Sqlite {
+        what: &'static str,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot build a latency histogram: {message}")]
+    Histogram { message: String },
+    #[error("cannot write JSON results to {}: {source}", path.display())]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("unknown scenario {name:?}; known: {known}")]
+    UnknownScenario { name: String, known: String },
+}
+
+/// One registered scenario.
+struct Scenario {
+    name: &'static str,
+    about: &'static str,
+    run: fn(&BenchEnv) -> Result<ScenarioReport, BenchError>,
+}
+
+impl Scenario {
+    fn possible_value(&self) -> PossibleValue {
+        PossibleValue::new(self.name).help(self.about)
+    }
+}
+
+/// Every scenario `durability bench` knows, in the order `--help` lists them.
+const SCENARIOS: &[Scenario] = &[Scenario {
+    name: sqlite_floor::NAME,
+    about: "raw rusqlite doing a capability's row writes with no logic: the floor",
+    run: sqlite_floor::run,
+}];
+
+/// What a scenario runs in: where to put files, how big to go, and how to
+/// show progress.
+pub struct BenchEnv {
+    dir: PathBuf,
+    quick: bool,
+}
+
+impl BenchEnv {
+    /// Whether to shrink sizes so the run takes seconds.
+    pub fn quick(&self) -> bool {
+        self.quick
+    }
+
+    /// `full` normally, `quick` under `--quick`.
+    pub fn size<T>(&self, full: T, quick: T) -> T {
+        if self.quick { quick } else { full }
+    }
+
+    /// A fresh sub-directory of the run's directory for one part of a
+    /// scenario, so parts never see each other's files.
+    pub fn subdir(&self, name: &str) -> Result<PathBuf, BenchError> {
+        let path = self.dir.join(name);
+        if path.exists() {
+            fs::remove_dir_all(&path).map_err(|source| BenchError::Io {
+                what: "cannot clear the benchmark directory",
+                path: path.clone(),
+                source,
+            })?;
+        }
+        fs::create_dir_all(&path).map_err(|source| BenchError::Io {
+            what: "cannot create the benchmark directory",
+            path: path.clone(),
+            source,
+        })?;
+        Ok(path)
+    }
+
+    /// A progress bar for a phase of `total` operations. It draws on stderr
+    /// only when stderr is a terminal, so piped and test runs stay clean.
+    pub fn progress(&self, phase: &str, total: u64) -> ProgressBar {
+        let bar = ProgressBar::new(total);
+        let style = ProgressStyle::with_template(
+            "{prefix:>28} [{bar:30}] {pos:>7}/{len:7} {per_sec:>12} {elapsed:>4}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        bar.set_style(style);
+        bar.set_prefix(phase.to_owned());
+        bar
+    }
+}
+
+/// Runs `durability bench`.
+pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
+    let scenario = SCENARIOS
+        .iter()
+        .find(|s| s.name == args.scenario)
+        .ok_or_else(|| BenchError::UnknownScenario {
+            name: args.scenario.clone(),
+            known: SCENARIOS
+                .iter()
+                .map(|s| s.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })?;
+
+    // The temporary directory lives until the end of this function, so the
+    // scenario's files are removed even when it fails.
+    let temporary;
+    let dir = match &args.data_dir {
+        Some(dir) => {
+            fs::create_dir_all(dir).map_err(|source| BenchError::Io {
+                what: "cannot create the benchmark directory",
+                path: dir.clone(),
+                source,
+            })?;
+            dir.clone()
+        }
+        None => {
+            temporary = tempfile::Builder::new()
+                .prefix("durability-bench-")
+                .tempdir()
+                .map_err(|source| BenchError::Io {
+                    what: "cannot create a temporary directory in",
+                    path: std::env::temp_dir(),
+                    source,
+                })?;
+            temporary.path().to_path_buf()
+        }
+    };
+    let env = BenchEnv {
+        dir,
+        quick: args.quick,
+    };
+
+    let report = (scenario.run)(&env)?;
+    println!("{}", report.render());
+
+    if let Some(path) = &args.json {
+        let text =
+            serde_json::to_string_pretty(&report.to_json()).map_err(|source| BenchError::Json {
+                path: path.clone(),
+                source,
+            })?;
+        fs::write(path, text + "\n").map_err(|source| BenchError::Io {
+            what: "cannot write JSON results to",
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Times `op` once and records its latency.
+pub fn timed<T, E>(latency: &mut Latency, op: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    let started = std::time::Instant::now();
+    let value = op()?;
+    latency.record(started.elapsed());
+    Ok(value)
+}

@@ -1,0 +1,242 @@
+//! What a scenario returns and how it is shown: a summary table on the
+//! terminal and one JSON object in a file.
+//!
+//! Every scenario reports a list of measurements (operations per second and
+//! latency percentiles) and a list of single figures (memory, start-up time).
+//! One measurement is the scenario's headline: its `ops_per_sec`, `p50_us` and
+//! `p99_us` are repeated at the top of the JSON so that scripts comparing runs
+//! need not know each scenario's shape.
+
+use std::time::Duration;
+
+use comfy_table::{CellAlignment, ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use serde_json::{Map, Value, json};
+
+use super::latency::{Latency, LatencySummary};
+
+/// One measured operation: how many ran, how fast, and how long each took.
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    /// A stable key, e.g. `full/enqueue`; JSON readers match on it.
+    pub name: String,
+    /// What one operation is, in words, for the table.
+    pub what: String,
+    pub ops: u64,
+    pub elapsed: Duration,
+    /// `None` when the operation has no per-operation latency (a derived rate).
+    pub latency: Option<LatencySummary>,
+    /// This measurement's rate divided by the rate of the comparable raw
+    /// SQLite operation measured in the same run (1.0 = at the floor).
+    pub floor_ratio: Option<f64>,
+    /// Scenario-specific fields, added to this measurement's JSON.
+    pub extra: Map<String, Value>,
+}
+
+impl Measurement {
+    /// A measurement of `ops` operations that took `elapsed` in total.
+    pub fn new(
+        name: impl Into<String>,
+        what: impl Into<String>,
+        ops: u64,
+        elapsed: Duration,
+        latency: &Latency,
+    ) -> Self {
+        Measurement {
+            name: name.into(),
+            what: what.into(),
+            ops,
+            elapsed,
+            latency: latency.summary(),
+            floor_ratio: None,
+            extra: Map::new(),
+        }
+    }
+
+    /// Operations per second over the whole measurement.
+    pub fn ops_per_sec(&self) -> f64 {
+        let seconds = self.elapsed.as_secs_f64();
+        if seconds > 0.0 {
+            self.ops as f64 / seconds
+        } else {
+            0.0
+        }
+    }
+
+    /// Adds a scenario-specific field to the JSON.
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(key.into(), value.into());
+        self
+    }
+
+    fn to_json(&self) -> Value {
+        let mut object = Map::new();
+        object.insert("name".into(), json!(self.name));
+        object.insert("what".into(), json!(self.what));
+        object.insert("ops".into(), json!(self.ops));
+        object.insert("elapsed_s".into(), json!(self.elapsed.as_secs_f64()));
+        object.insert("ops_per_sec".into(), json!(round(self.ops_per_sec())));
+        if let Some(latency) = self.latency {
+            object.insert("p50_us".into(), json!(latency.p50_us));
+            object.insert("p90_us".into(), json!(latency.p90_us));
+            object.insert("p99_us".into(), json!(latency.p99_us));
+            object.insert("max_us".into(), json!(latency.max_us));
+            object.insert("mean_us".into(), json!(round(latency.mean_us)));
+        }
+        if let Some(ratio) = self.floor_ratio {
+            object.insert("floor_ratio".into(), json!(round(ratio)));
+        }
+        object.extend(self.extra.clone());
+        Value::Object(object)
+    }
+}
+
+/// A single number a scenario found (memory per object, start-up time).
+#[derive(Debug, Clone)]
+pub struct Figure {
+    /// The JSON key, with its unit in the name (`memory_per_live_object_bytes`).
+    pub key: &'static str,
+    /// The label shown in the table.
+    pub label: &'static str,
+    pub value: f64,
+    /// The unit shown in the table.
+    pub unit: &'static str,
+}
+
+/// Everything one run of a scenario found.
+#[derive(Debug, Clone)]
+pub struct ScenarioReport {
+    pub scenario: &'static str,
+    pub quick: bool,
+    /// The name of the measurement whose figures head the JSON.
+    pub headline: String,
+    pub measurements: Vec<Measurement>,
+    pub figures: Vec<Figure>,
+    /// Free-form remarks printed under the table (what a figure means).
+    pub notes: Vec<String>,
+}
+
+impl ScenarioReport {
+    /// The measurement called `headline`, if the scenario produced it.
+    fn headline_measurement(&self) -> Option<&Measurement> {
+        self.measurements.iter().find(|m| m.name == self.headline)
+    }
+
+    /// The report as one JSON object: `scenario`, the headline's
+    /// `ops_per_sec`, `p50_us` and `p99_us`, then every measurement and figure.
+    pub fn to_json(&self) -> Value {
+        let headline = self.headline_measurement();
+        let latency = headline.and_then(|m| m.latency);
+        let mut figures = Map::new();
+        for figure in &self.figures {
+            figures.insert(figure.key.into(), json!(round(figure.value)));
+        }
+        json!({
+            "scenario": self.scenario,
+            "quick": self.quick,
+            "headline": self.headline,
+            "ops_per_sec": headline.map(|m| round(m.ops_per_sec())),
+            "p50_us": latency.map(|l| l.p50_us),
+            "p99_us": latency.map(|l| l.p99_us),
+            "measurements": self.measurements.iter().map(Measurement::to_json).collect::<Vec<_>>(),
+            "figures": figures,
+            "notes": self.notes,
+            "environment": {
+                "os": std::env::consts::OS,
+                "arch": std::env::consts::ARCH,
+                "cpus": std::thread::available_parallelism().map(usize::from).unwrap_or(1),
+            },
+        })
+    }
+
+    /// The summary table shown at the end of a run.
+    pub fn render(&self) -> String {
+        let mut table = Table::new();
+        table
+            .load_preset(UTF8_FULL_CONDENSED)
+            .set_content_arrangement(ContentArrangement::Dynamic)
+            .set_header(vec![
+                "measurement",
+                "one op is",
+                "ops",
+                "ops/s",
+                "p50 µs",
+                "p99 µs",
+                "max µs",
+                "÷ floor",
+            ]);
+        for m in &self.measurements {
+            let (p50, p99, max) = match m.latency {
+                Some(l) => (
+                    format_us(l.p50_us),
+                    format_us(l.p99_us),
+                    format_us(l.max_us),
+                ),
+                None => ("-".into(), "-".into(), "-".into()),
+            };
+            let marker = if m.name == self.headline { " *" } else { "" };
+            table.add_row(vec![
+                format!("{}{marker}", m.name),
+                m.what.clone(),
+                m.ops.to_string(),
+                format!("{:.0}", m.ops_per_sec()),
+                p50,
+                p99,
+                max,
+                m.floor_ratio
+                    .map_or_else(|| "-".into(), |r| format!("{r:.2}")),
+            ]);
+        }
+        for column in 2..8 {
+            if let Some(column) = table.column_mut(column) {
+                column.set_cell_alignment(CellAlignment::Right);
+            }
+        }
+        let mut out = format!(
+            "{}{}\n{table}\n* headline (top-level ops_per_sec, p50_us, p99_us of the JSON)\n",
+            self.scenario,
+            if self.quick { " (quick)" } else { "" }
+        );
+        if !self.figures.is_empty() {
+            let mut figures = Table::new();
+            figures
+                .load_preset(UTF8_FULL_CONDENSED)
+                .set_header(vec!["figure", "value", "unit"]);
+            for figure in &self.figures {
+                figures.add_row(vec![
+                    figure.label.to_owned(),
+                    format_figure(figure.value),
+                    figure.unit.to_owned(),
+                ]);
+            }
+            if let Some(column) = figures.column_mut(1) {
+                column.set_cell_alignment(CellAlignment::Right);
+            }
+            out.push_str(&format!("{figures}\n"));
+        }
+        for note in &self.notes {
+            out.push_str(&format!("note: {note}\n"));
+        }
+        out
+    }
+}
+
+fn format_us(us: f64) -> String {
+    if us >= 100.0 {
+        format!("{us:.0}")
+    } else {
+        format!("{us:.1}")
+    }
+}
+
+fn format_figure(value: f64) -> String {
+    if value.abs() >= 100.0 {
+        format!("{value:.0}")
+    } else {
+        format!("{value:.2}")
+    }
+}
+
+/// Three decimals are plenty for rates and ratios and keep the JSON readable.
+fn round(value: f64) -> f64 {
+    (value * 1_000.0).round() / 1_000.0
+}
