@@ -1,0 +1,110 @@
+//! The host's error types and the one place where SQLite's error codes are
+//! translated into the platform's [`StorageError`].
+
+use std::path::PathBuf;
+
+use durability_platform::StorageError;
+use rusqlite::ErrorCode;
+use thiserror::Error;
+
+/// Why a host operation (building, registering a namespace, naming an
+/// object, evicting, inspecting) failed.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum HostError {
+    /// A namespace or object name breaks a naming rule.
+    #[error("invalid {what}: {rule}")]
+    InvalidName {
+        /// Which name: `"namespace name"` or `"object name"`.
+        what: &'static str,
+        /// The rule it breaks.
+        rule: &'static str,
+    },
+    /// A namespace of this name is already registered on this host.
+    #[error("namespace {name:?} is already registered on this host")]
+    NamespaceExists { name: String },
+    /// A builder setting is out of range.
+    #[error("invalid host setting {setting}: {rule}")]
+    InvalidSetting {
+        setting: &'static str,
+        rule: &'static str,
+    },
+    /// [`crate::HostBuilder::build`] was called outside a tokio runtime, or
+    /// with `threads(0)` outside a `tokio::task::LocalSet`.
+    #[error("the host must be built {required}")]
+    NoRuntime { required: &'static str },
+    /// The data directory or an executor thread could not be set up.
+    #[error("I/O error at {path}: {message}")]
+    Io { path: PathBuf, message: String },
+    /// The host's alarm index or an object's database failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The host is shutting down or its executors stopped.
+    #[error("the host is shut down")]
+    ShutDown,
+}
+
+/// Why a call through a [`crate::Stub`] failed. The call's own result type
+/// carries the object's errors; these are the host's.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum CallError {
+    /// The object's database could not be opened or set up (corrupt file,
+    /// disk full, permissions). Other objects are unaffected.
+    #[error("object {id} could not open its storage: {source}")]
+    Storage {
+        id: String,
+        #[source]
+        source: StorageError,
+    },
+    /// The namespace's factory returned an error while constructing the object.
+    #[error("object {id} could not be constructed: {message}")]
+    Construct { id: String, message: String },
+    /// The host refuses new calls because it is shutting down.
+    #[error("the host is shutting down")]
+    ShuttingDown,
+    /// The call was dropped before it finished: the object was evicted
+    /// explicitly, the host shut down, or the call's code panicked.
+    #[error("the call to object {id} was dropped before it finished")]
+    Aborted { id: String },
+    /// The object in memory has another type than the stub expects; only
+    /// possible if a namespace was registered with two object types.
+    #[error("object {id} is not of the type this stub expects")]
+    WrongType { id: String },
+}
+
+/// Maps a rusqlite error to the platform's storage error: the variant says
+/// what a caller can do about it (full disk, damaged file, I/O, constraint,
+/// a wrong statement).
+pub(crate) fn storage_error(error: rusqlite::Error) -> StorageError {
+    let message = error.to_string();
+    match &error {
+        rusqlite::Error::SqliteFailure(failure, _) => match failure.code {
+            ErrorCode::DiskFull => StorageError::Full { message },
+            ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt => {
+                StorageError::Corrupt { message }
+            }
+            ErrorCode::CannotOpen
+            | ErrorCode::SystemIoFailure
+            | ErrorCode::PermissionDenied
+            | ErrorCode::ReadOnly
+            | ErrorCode::DatabaseBusy
+            | ErrorCode::DatabaseLocked
+            | ErrorCode::FileLockingProtocolFailed
+            | ErrorCode::NoLargeFileSupport
+            | ErrorCode::OutOfMemory => StorageError::Unavailable { message },
+            ErrorCode::ConstraintViolation => StorageError::Constraint { message },
+            _ => StorageError::Sql { message },
+        },
+        _ => StorageError::Sql { message },
+    }
+}
+
+/// The error for storage used after its object was evicted or the host
+/// closed it.
+pub(crate) fn closed_error() -> StorageError {
+    StorageError::Unavailable {
+        message: "the object's storage is closed (the object was evicted or the host shut down)"
+            .into(),
+    }
+}

@@ -1,0 +1,673 @@
+//! Executors: where objects live.
+//!
+//! An executor is one task loop on one thread (a thread of the host, or the
+//! caller's `LocalSet` in inline mode). It owns the live objects assigned to
+//! it by id, their background tasks, their idle watchers, and the schedule
+//! of their alarms. Every piece of an object runs here, so code between two
+//! awaits of one object never runs beside other code of the same object.
+//! Other threads reach an executor only by sending it a [`Job`].
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::rc::{Rc, Weak};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, ObjectId};
+use tokio::sync::{Notify, mpsc};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::context::ObjectContext;
+use crate::host::HostCore;
+use crate::id::object_path;
+use crate::index::IndexedAlarm;
+use crate::storage::ObjectStorage;
+use crate::{BoxError, CallError, DurableObject};
+
+/// Work sent to an executor from any thread.
+pub(crate) type Job = Box<dyn FnOnce(&Rc<Executor>) + Send>;
+
+/// The first retry of a failed alarm waits this long; each further retry
+/// doubles it (2 s, 4 s, 8 s, ...).
+pub const ALARM_RETRY_BASE: Duration = Duration::from_secs(2);
+/// A failed alarm is retried at most this many times, then dropped.
+pub const ALARM_MAX_RETRIES: u32 = 6;
+
+/// A user object with its type erased, so the executor can hold objects of
+/// every namespace and deliver alarms by id.
+pub(crate) trait ErasedObject {
+    fn into_any(self: Rc<Self>) -> Rc<dyn Any>;
+    fn deliver_alarm(
+        self: Rc<Self>,
+        info: AlarmInfo,
+    ) -> LocalBoxFuture<'static, Result<(), BoxError>>;
+}
+
+impl<T: DurableObject> ErasedObject for T {
+    fn into_any(self: Rc<Self>) -> Rc<dyn Any> {
+        self
+    }
+    fn deliver_alarm(
+        self: Rc<Self>,
+        info: AlarmInfo,
+    ) -> LocalBoxFuture<'static, Result<(), BoxError>> {
+        Box::pin(async move { self.alarm(info).await })
+    }
+}
+
+/// Builds an object of one namespace from its context.
+pub(crate) type Constructor =
+    Arc<dyn Fn(ObjectContext) -> Result<Rc<dyn ErasedObject>, BoxError> + Send + Sync>;
+
+/// One live object.
+struct Slot {
+    object: Rc<dyn ErasedObject>,
+    state: Rc<SlotState>,
+    ctx: ObjectContext,
+}
+
+/// Book-keeping of one live object that its context needs too: what keeps
+/// it alive and which background tasks die with it.
+pub(crate) struct SlotState {
+    /// Calls and alarm runs in flight.
+    calls: Cell<usize>,
+    /// `wait_until` tasks pending.
+    waits: Cell<usize>,
+    /// When the object last stopped being busy.
+    last_active: Cell<Instant>,
+    /// Tasks aborted when the object is evicted.
+    tasks: RefCell<HashMap<u64, AbortHandle>>,
+    next_task: Cell<u64>,
+    evicted: Cell<bool>,
+}
+
+/// Keeps its object busy (not evictable) while it lives.
+pub(crate) struct Activity {
+    state: Rc<SlotState>,
+    wait: bool,
+}
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        let counter = if self.wait {
+            &self.state.waits
+        } else {
+            &self.state.calls
+        };
+        counter.set(counter.get().saturating_sub(1));
+        self.state.last_active.set(Instant::now());
+    }
+}
+
+impl SlotState {
+    fn new() -> Rc<Self> {
+        Rc::new(SlotState {
+            calls: Cell::new(0),
+            waits: Cell::new(0),
+            last_active: Cell::new(Instant::now()),
+            tasks: RefCell::new(HashMap::new()),
+            next_task: Cell::new(0),
+            evicted: Cell::new(false),
+        })
+    }
+
+    fn busy(&self) -> bool {
+        self.calls.get() > 0 || self.waits.get() > 0
+    }
+
+    pub(crate) fn begin_call(self: &Rc<Self>) -> Activity {
+        self.calls.set(self.calls.get() + 1);
+        Activity {
+            state: Rc::clone(self),
+            wait: false,
+        }
+    }
+
+    pub(crate) fn begin_wait(self: &Rc<Self>) -> Activity {
+        self.waits.set(self.waits.get() + 1);
+        Activity {
+            state: Rc::clone(self),
+            wait: true,
+        }
+    }
+
+    /// Spawns `task` on this executor; it is aborted when the object is
+    /// evicted. Work that must notice the abort keeps a drop guard inside.
+    pub(crate) fn spawn_tracked(self: &Rc<Self>, task: LocalBoxFuture<'static, ()>) {
+        if self.evicted.get() {
+            // The object is gone: its background work goes with it.
+            return;
+        }
+        let key = self.next_task.get();
+        self.next_task.set(key.wrapping_add(1));
+        let weak = Rc::downgrade(self);
+        let handle = tokio::task::spawn_local(async move {
+            task.await;
+            if let Some(state) = weak.upgrade()
+                && let Ok(mut tasks) = state.tasks.try_borrow_mut()
+            {
+                tasks.remove(&key);
+            }
+        });
+        if let Ok(mut tasks) = self.tasks.try_borrow_mut() {
+            tasks.insert(key, handle.abort_handle());
+        }
+    }
+
+    fn abort_all(&self) {
+        self.evicted.set(true);
+        let tasks: Vec<AbortHandle> = match self.tasks.try_borrow_mut() {
+            Ok(mut tasks) => tasks.drain().map(|(_, h)| h).collect(),
+            Err(_) => Vec::new(),
+        };
+        for task in tasks {
+            task.abort();
+        }
+    }
+}
+
+/// One scheduled alarm delivery.
+#[derive(Debug, Clone)]
+struct Entry {
+    at_ms: EpochMs,
+    namespace: Arc<str>,
+    retry_count: u32,
+}
+
+/// The alarms of one executor's objects, live or evicted.
+#[derive(Default)]
+struct Schedule {
+    by_time: BTreeSet<(EpochMs, ObjectId)>,
+    entries: HashMap<ObjectId, Entry>,
+    /// Objects whose alarm handler runs now; their entry comes back when
+    /// the run ends.
+    running: HashSet<ObjectId>,
+    /// Due alarms of namespaces not registered yet, by namespace.
+    parked: HashMap<Arc<str>, Vec<(ObjectId, Entry)>>,
+}
+
+impl Schedule {
+    fn set(&mut self, id: &ObjectId, entry: Option<Entry>) {
+        if let Some(old) = self.entries.remove(id) {
+            self.by_time.remove(&(old.at_ms, id.clone()));
+        }
+        if let Some(entry) = entry {
+            self.by_time.insert((entry.at_ms, id.clone()));
+            self.entries.insert(id.clone(), entry);
+        }
+    }
+
+    fn next_deadline(&self) -> Option<EpochMs> {
+        self.by_time.first().map(|(at, _)| *at)
+    }
+
+    fn pop_due(&mut self, now_ms: EpochMs) -> Option<(ObjectId, Entry)> {
+        let (at, _) = self.by_time.first()?;
+        if *at > now_ms {
+            return None;
+        }
+        let (_, id) = self.by_time.pop_first()?;
+        let entry = self.entries.remove(&id)?;
+        Some((id, entry))
+    }
+}
+
+/// One executor: the live objects and alarm schedule of one thread.
+pub(crate) struct Executor {
+    core: Arc<HostCore>,
+    me: Weak<Executor>,
+    objects: RefCell<HashMap<ObjectId, Rc<Slot>>>,
+    schedule: RefCell<Schedule>,
+    /// Wakes the alarm loop when the schedule changed.
+    wake: Notify,
+    closed: Cell<bool>,
+}
+
+/// Runs one executor until its host is dropped or shut down.
+pub(crate) async fn run(core: Arc<HostCore>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let executor = Rc::new_cyclic(|me| Executor {
+        core,
+        me: me.clone(),
+        objects: RefCell::new(HashMap::new()),
+        schedule: RefCell::new(Schedule::default()),
+        wake: Notify::new(),
+        closed: Cell::new(false),
+    });
+    tokio::task::spawn_local(alarm_loop(Rc::clone(&executor)));
+    while let Some(job) = jobs.recv().await {
+        job(&executor);
+        if executor.closed.get() {
+            break;
+        }
+    }
+    executor.close();
+}
+
+/// Sleeps until the next alarm is due or the schedule changes, then fires
+/// every due alarm (the mini-redis purge-task shape).
+async fn alarm_loop(executor: Rc<Executor>) {
+    loop {
+        if executor.closed.get() {
+            return;
+        }
+        let next = executor.schedule.borrow().next_deadline();
+        match next {
+            Some(at_ms) => {
+                let when = executor.core.clock.instant_at(at_ms);
+                tokio::select! {
+                    () = tokio::time::sleep_until(when) => executor.fire_due(),
+                    () = executor.wake.notified() => {}
+                }
+            }
+            None => executor.wake.notified().await,
+        }
+    }
+}
+
+impl Executor {
+    /// Runs a call on object `id`, constructing it if needed. The result
+    /// goes to `reply`; `guard` keeps the host's shutdown waiting.
+    pub(crate) fn call<T, F, Fut, R>(
+        self: &Rc<Self>,
+        id: ObjectId,
+        namespace: Arc<str>,
+        name: Arc<str>,
+        f: F,
+        reply: tokio::sync::oneshot::Sender<Result<R, CallError>>,
+        guard: crate::work::WorkGuard,
+    ) where
+        T: DurableObject,
+        F: FnOnce(Rc<T>) -> Fut + 'static,
+        Fut: std::future::Future<Output = R> + 'static,
+        R: 'static,
+    {
+        let slot = match self.object(&id, &namespace, Some(&name)) {
+            Ok(slot) => slot,
+            Err(error) => {
+                let _ = reply.send(Err(error));
+                return;
+            }
+        };
+        let object = match Rc::clone(&slot.object).into_any().downcast::<T>() {
+            Ok(object) => object,
+            Err(_) => {
+                let _ = reply.send(Err(CallError::WrongType { id: id.to_string() }));
+                return;
+            }
+        };
+        let activity = slot.state.begin_call();
+        slot.state.spawn_tracked(Box::pin(async move {
+            let result = f(object).await;
+            let _ = reply.send(Ok(result));
+            drop(activity);
+            drop(guard);
+        }));
+    }
+
+    /// The live object `id`, constructed on first use.
+    fn object(
+        self: &Rc<Self>,
+        id: &ObjectId,
+        namespace: &Arc<str>,
+        name: Option<&str>,
+    ) -> Result<Rc<Slot>, CallError> {
+        if let Some(slot) = self.objects.borrow().get(id) {
+            return Ok(Rc::clone(slot));
+        }
+        if self.closed.get() {
+            return Err(CallError::ShuttingDown);
+        }
+        let constructor = self
+            .core
+            .constructor(namespace)
+            .ok_or_else(|| CallError::Construct {
+                id: id.to_string(),
+                message: format!("namespace {namespace:?} is not registered"),
+            })?;
+        let path = object_path(&self.core.data_dir, id);
+        let (storage, recorded) = ObjectStorage::open(
+            &path,
+            id.clone(),
+            Arc::clone(namespace),
+            name,
+            self.core.synchronous,
+            Arc::clone(&self.core.index),
+            self.me.clone(),
+        )
+        .map_err(|source| CallError::Storage {
+            id: id.to_string(),
+            source,
+        })?;
+        let state = SlotState::new();
+        let ctx = ObjectContext::new(
+            id.clone(),
+            Arc::clone(namespace),
+            recorded.name.or_else(|| name.map(str::to_owned)),
+            storage,
+            self.core.clock,
+            Rc::clone(&state),
+            Arc::clone(&self.core.work),
+        );
+        let object = match constructor(ctx.clone()) {
+            Ok(object) => object,
+            Err(error) => {
+                state.abort_all();
+                ctx.object_storage().close();
+                return Err(CallError::Construct {
+                    id: id.to_string(),
+                    message: error.to_string(),
+                });
+            }
+        };
+        // The file is the truth about the alarm; an object whose alarm the
+        // index lost (or never had) is scheduled from its own row.
+        let alarm = ctx.object_storage().committed_alarm();
+        if alarm.is_some() && !self.schedule.borrow().running.contains(id) {
+            let known = self.schedule.borrow().entries.contains_key(id);
+            if !known {
+                self.alarm_changed(id, namespace, alarm);
+            }
+        }
+        let slot = Rc::new(Slot {
+            object,
+            state: Rc::clone(&state),
+            ctx,
+        });
+        self.objects
+            .borrow_mut()
+            .insert(id.clone(), Rc::clone(&slot));
+        self.core.live.fetch_add(1, Ordering::Relaxed);
+        let watcher = watch_idle(
+            self.me.clone(),
+            id.clone(),
+            Rc::downgrade(&state),
+            self.core.idle_timeout,
+        );
+        state.spawn_tracked(Box::pin(watcher));
+        Ok(slot)
+    }
+
+    /// Drops a live object: its memory, its background tasks and in-memory
+    /// timers, its connection. Storage and alarm stay.
+    pub(crate) fn evict(&self, id: &ObjectId) -> bool {
+        let Some(slot) = self.objects.borrow_mut().remove(id) else {
+            return false;
+        };
+        slot.state.abort_all();
+        slot.ctx.object_storage().close();
+        self.core.live.fetch_sub(1, Ordering::Relaxed);
+        tracing::debug!(object = %id, "object evicted");
+        true
+    }
+
+    /// Evicts every object and stops the alarm loop (host shutdown).
+    pub(crate) fn close(&self) {
+        self.closed.set(true);
+        let ids: Vec<ObjectId> = self.objects.borrow().keys().cloned().collect();
+        for id in ids {
+            self.evict(&id);
+        }
+        self.wake.notify_one();
+    }
+
+    /// Adds alarms read from the index at host start.
+    pub(crate) fn load_alarms(&self, alarms: Vec<IndexedAlarm>) {
+        let mut schedule = self.schedule.borrow_mut();
+        for alarm in alarms {
+            let entry = Entry {
+                at_ms: alarm.at_ms,
+                namespace: Arc::from(alarm.namespace),
+                retry_count: 0,
+            };
+            schedule.set(&alarm.id, Some(entry));
+        }
+        drop(schedule);
+        self.wake.notify_one();
+    }
+
+    /// A namespace was registered: its parked alarms are due now.
+    pub(crate) fn namespace_registered(&self, namespace: &str) {
+        let mut schedule = self.schedule.borrow_mut();
+        let parked = schedule.parked.remove(namespace).unwrap_or_default();
+        for (id, entry) in parked {
+            if !schedule.entries.contains_key(&id) {
+                schedule.set(&id, Some(entry));
+            }
+        }
+        drop(schedule);
+        self.wake.notify_one();
+    }
+
+    /// A committed change of object `id`'s alarm. While the object's alarm
+    /// handler runs the run's end decides, from the committed row.
+    pub(crate) fn alarm_changed(
+        &self,
+        id: &ObjectId,
+        namespace: &Arc<str>,
+        at_ms: Option<EpochMs>,
+    ) {
+        let mut schedule = self.schedule.borrow_mut();
+        if schedule.running.contains(id) {
+            return;
+        }
+        let entry = at_ms.map(|at_ms| Entry {
+            at_ms,
+            namespace: Arc::clone(namespace),
+            retry_count: 0,
+        });
+        schedule.set(id, entry);
+        drop(schedule);
+        self.wake.notify_one();
+    }
+
+    fn fire_due(self: &Rc<Self>) {
+        if self.core.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let now_ms = self.core.clock.now_ms();
+        loop {
+            let due = self.schedule.borrow_mut().pop_due(now_ms);
+            let Some((id, entry)) = due else { break };
+            if self.core.constructor(&entry.namespace).is_none() {
+                // Its type is not registered yet; registering it wakes it.
+                self.schedule
+                    .borrow_mut()
+                    .parked
+                    .entry(Arc::clone(&entry.namespace))
+                    .or_default()
+                    .push((id, entry));
+                continue;
+            }
+            self.start_alarm(id, entry, now_ms);
+        }
+    }
+
+    fn start_alarm(self: &Rc<Self>, id: ObjectId, entry: Entry, now_ms: EpochMs) {
+        let slot = match self.object(&id, &entry.namespace, None) {
+            Ok(slot) => slot,
+            Err(error) => {
+                tracing::warn!(object = %id, %error, "object could not be woken for its alarm");
+                self.alarm_failed(&id, entry, now_ms);
+                return;
+            }
+        };
+        let storage = slot.ctx.object_storage();
+        match storage.committed_alarm() {
+            // A stale index entry: the object's own row is the truth.
+            None => {
+                if let Err(error) = self.core.index.set(&id, &entry.namespace, None) {
+                    tracing::warn!(object = %id, %error, "stale alarm index entry not removed");
+                }
+                return;
+            }
+            Some(at_ms) if at_ms > now_ms && entry.retry_count == 0 => {
+                self.schedule
+                    .borrow_mut()
+                    .set(&id, Some(Entry { at_ms, ..entry }));
+                return;
+            }
+            Some(_) => {}
+        }
+        self.schedule.borrow_mut().running.insert(id.clone());
+        let run = AlarmRun {
+            executor: Rc::clone(self),
+            id: id.clone(),
+            entry: Some(entry.clone()),
+        };
+        let info = AlarmInfo {
+            retry_count: entry.retry_count,
+            is_retry: entry.retry_count > 0,
+        };
+        let span = tracing::info_span!(
+            "alarm",
+            object = %id,
+            namespace = %entry.namespace,
+            retry_count = entry.retry_count,
+        );
+        let activity = slot.state.begin_call();
+        let guard = self.core.work.begin();
+        let object = Rc::clone(&slot.object);
+        let slot_for_run = Rc::clone(&slot);
+        let task = async move {
+            slot_for_run.ctx.object_storage().begin_fire();
+            let result = object.deliver_alarm(info).await;
+            run.finish(&slot_for_run, result);
+            drop(activity);
+            drop(guard);
+        };
+        slot.state.spawn_tracked(Box::pin(task.instrument(span)));
+    }
+
+    /// Schedules the retry of a failed delivery, or drops the alarm after
+    /// the last retry.
+    fn alarm_failed(&self, id: &ObjectId, entry: Entry, now_ms: EpochMs) -> Option<()> {
+        let retry_count = entry.retry_count + 1;
+        if retry_count > ALARM_MAX_RETRIES {
+            return None;
+        }
+        let delay = ALARM_RETRY_BASE.saturating_mul(1 << (retry_count - 1).min(30));
+        let at_ms = now_ms.saturating_add(i64::try_from(delay.as_millis()).unwrap_or(i64::MAX));
+        self.schedule.borrow_mut().set(
+            id,
+            Some(Entry {
+                at_ms,
+                namespace: entry.namespace,
+                retry_count,
+            }),
+        );
+        self.wake.notify_one();
+        Some(())
+    }
+}
+
+/// One running alarm delivery. If its task is aborted (the object was
+/// evicted mid-run) the drop puts the alarm back, so it is delivered again:
+/// the row is still in the file.
+struct AlarmRun {
+    executor: Rc<Executor>,
+    id: ObjectId,
+    entry: Option<Entry>,
+}
+
+impl AlarmRun {
+    fn finish(mut self, slot: &Slot, result: Result<(), BoxError>) {
+        let Some(entry) = self.entry.take() else {
+            return;
+        };
+        let executor = &self.executor;
+        let storage = slot.ctx.object_storage();
+        let changed = storage.end_fire();
+        executor.schedule.borrow_mut().running.remove(&self.id);
+        let now_ms = executor.core.clock.now_ms();
+        match result {
+            Ok(()) => {
+                if !changed {
+                    // Delivered: only now may the alarm go (at least once).
+                    if let Err(error) = storage.clear_alarm() {
+                        tracing::warn!(%error, "delivered alarm could not be cleared; it will fire again after a restart");
+                        return;
+                    }
+                }
+            }
+            Err(error) if changed => {
+                tracing::warn!(%error, "alarm handler failed after setting a new alarm; the new alarm stands");
+            }
+            Err(error) => {
+                if executor
+                    .alarm_failed(&self.id, entry.clone(), now_ms)
+                    .is_some()
+                {
+                    tracing::info!(%error, retry_count = entry.retry_count, "alarm handler failed; retrying");
+                    return;
+                }
+                tracing::warn!(%error, retries = ALARM_MAX_RETRIES, "alarm handler failed after its last retry; the alarm is dropped");
+                if let Err(error) = storage.clear_alarm() {
+                    tracing::warn!(%error, "dropped alarm could not be cleared");
+                }
+            }
+        }
+        executor.alarm_changed(&self.id, &entry.namespace, storage.committed_alarm());
+    }
+}
+
+impl Drop for AlarmRun {
+    fn drop(&mut self) {
+        let Some(entry) = self.entry.take() else {
+            return;
+        };
+        let mut schedule = self.executor.schedule.borrow_mut();
+        schedule.running.remove(&self.id);
+        let at_ms = self.executor.core.clock.now_ms();
+        schedule.set(&self.id, Some(Entry { at_ms, ..entry }));
+        drop(schedule);
+        self.executor.wake.notify_one();
+    }
+}
+
+/// Evicts object `id` once it has been idle (no call in flight, no
+/// `wait_until` pending) for `timeout`. One sleeping task per live object;
+/// a call only moves a timestamp.
+async fn watch_idle(
+    executor: Weak<Executor>,
+    id: ObjectId,
+    state: Weak<SlotState>,
+    timeout: Duration,
+) {
+    loop {
+        let Some(state_now) = state.upgrade() else {
+            return;
+        };
+        // A timeout too large to add never evicts.
+        let Some(deadline) = state_now.last_active.get().checked_add(timeout) else {
+            return;
+        };
+        drop(state_now);
+        tokio::time::sleep_until(deadline).await;
+        let Some(current) = state.upgrade() else {
+            return;
+        };
+        if current.busy() {
+            // Its activity ends later and moves last_active; check again then.
+            drop(current);
+            tokio::time::sleep(timeout).await;
+            continue;
+        }
+        if current
+            .last_active
+            .get()
+            .checked_add(timeout)
+            .is_some_and(|deadline| Instant::now() < deadline)
+        {
+            continue;
+        }
+        drop(current);
+        if let Some(executor) = executor.upgrade() {
+            executor.evict(&id);
+        }
+        return;
+    }
+}

@@ -1,0 +1,495 @@
+//! The [`Host`], its builder, namespaces and stubs: the handles other
+//! threads use to reach objects.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use durability_platform::{EpochMs, ObjectId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::clock::Clock;
+use crate::context::ObjectContext;
+use crate::executor::{self, Constructor, ErasedObject, Job};
+use crate::id::{executor_of, object_id, validate_name};
+use crate::index::{AlarmIndex, IndexedAlarm};
+use crate::work::WorkTracker;
+use crate::{BoxError, CallError, DurableObject, HostError};
+
+/// How hard SQLite works to make a commit survive a power loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// `synchronous=FULL`: a commit is on disk when it returns (default).
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: with WAL, a commit survives a process crash
+    /// but the last commits may be lost on power loss; much faster.
+    Normal,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma(self) -> &'static str {
+        match self {
+            Synchronous::Full => "FULL",
+            Synchronous::Normal => "NORMAL",
+        }
+    }
+}
+
+/// Idle objects are evicted after this long by default.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Shutdown waits this long for in-flight work by default.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// What every executor of a host shares. Only `Send + Sync` parts.
+pub(crate) struct HostCore {
+    pub(crate) data_dir: PathBuf,
+    pub(crate) synchronous: Synchronous,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) clock: Clock,
+    pub(crate) index: Arc<AlarmIndex>,
+    pub(crate) work: Arc<WorkTracker>,
+    pub(crate) live: AtomicUsize,
+    pub(crate) shutting_down: AtomicBool,
+    namespaces: RwLock<HashMap<String, Constructor>>,
+}
+
+impl HostCore {
+    pub(crate) fn constructor(&self, namespace: &str) -> Option<Constructor> {
+        self.namespaces.read().ok()?.get(namespace).cloned()
+    }
+}
+
+struct HostShared {
+    core: Arc<HostCore>,
+    executors: Vec<mpsc::UnboundedSender<Job>>,
+    shutdown_grace: Duration,
+}
+
+/// The embedded object host: namespaces of objects, one SQLite file and one
+/// persistent alarm per object, executor threads, idle eviction.
+///
+/// Cloning is one reference-count increment. Dropping the last clone stops
+/// the executors; [`Host::shutdown`] does it gracefully.
+///
+/// ```
+/// use std::rc::Rc;
+/// use durability_host::{DurableObject, Host};
+/// use durability_platform::{Context, StorageExt, params};
+///
+/// struct Counter(durability_host::ObjectContext);
+/// impl DurableObject for Counter {}
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let dir = tempfile::tempdir()?;
+/// let rt = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+/// let local = tokio::task::LocalSet::new();
+/// local.block_on(&rt, async {
+///     let host = Host::builder(dir.path()).threads(0).build()?;
+///     let counters = host.namespace("counters", |ctx| {
+///         ctx.storage().execute_script("CREATE TABLE IF NOT EXISTS n (v INTEGER)")?;
+///         Ok(Counter(ctx))
+///     })?;
+///     let stub = counters.stub("visits")?;
+///     let count = stub
+///         .call(|counter: Rc<Counter>| async move {
+///             let sql = counter.0.storage();
+///             sql.execute("INSERT INTO n (v) VALUES (?1)", &params![1])?;
+///             sql.query_row("SELECT count(*) FROM n", &[])?
+///                 .map_or(Ok(0), |row| row.get::<i64>(0))
+///         })
+///         .await??;
+///     assert_eq!(count, 1);
+///     host.shutdown().await;
+///     Ok::<_, Box<dyn std::error::Error>>(())
+/// })?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Host {
+    shared: Arc<HostShared>,
+}
+
+/// Configures a [`Host`]; see each setting for its default.
+#[derive(Debug, Clone)]
+pub struct HostBuilder {
+    data_dir: PathBuf,
+    threads: Option<usize>,
+    idle_timeout: Duration,
+    synchronous: Synchronous,
+    shutdown_grace: Duration,
+}
+
+impl Host {
+    /// Starts configuring a host whose objects live under `data_dir`.
+    pub fn builder(data_dir: impl Into<PathBuf>) -> HostBuilder {
+        HostBuilder {
+            data_dir: data_dir.into(),
+            threads: None,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            synchronous: Synchronous::Full,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+        }
+    }
+}
+
+impl HostBuilder {
+    /// Executor threads. `0` is inline mode: objects run as local tasks on
+    /// the caller's `tokio::task::LocalSet`, so tests on paused tokio time
+    /// are deterministic. Default: the machine's available parallelism.
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = Some(n);
+        self
+    }
+
+    /// How long an object stays in memory with no call in flight and no
+    /// `wait_until` work pending. Default: 60 s.
+    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout;
+        self
+    }
+
+    /// SQLite's `synchronous` setting for every object. Default: `Full`.
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How long [`Host::shutdown`] waits for in-flight calls, alarm runs and
+    /// `wait_until` work. Default: 30 s.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    /// Builds the host: opens the alarm index and starts the executors,
+    /// which wake every object whose indexed alarm is due.
+    ///
+    /// Call inside a tokio runtime; with `threads(0)`, inside a
+    /// `tokio::task::LocalSet` of that runtime.
+    pub fn build(self) -> Result<Host, HostError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(HostError::NoRuntime {
+                required: "inside a tokio runtime",
+            });
+        }
+        if self.idle_timeout.is_zero() {
+            return Err(HostError::InvalidSetting {
+                setting: "idle_timeout",
+                rule: "must be greater than zero",
+            });
+        }
+        std::fs::create_dir_all(&self.data_dir).map_err(|e| HostError::Io {
+            path: self.data_dir.clone(),
+            message: e.to_string(),
+        })?;
+        let index = Arc::new(AlarmIndex::open(&self.data_dir, self.synchronous)?);
+        let alarms = index.all()?;
+        let core = Arc::new(HostCore {
+            data_dir: self.data_dir.clone(),
+            synchronous: self.synchronous,
+            idle_timeout: self.idle_timeout,
+            clock: Clock::start(),
+            index,
+            work: Arc::new(WorkTracker::default()),
+            live: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+            namespaces: RwLock::new(HashMap::new()),
+        });
+        let threads = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let executors = if threads == 0 {
+            vec![start_inline(&core)?]
+        } else {
+            (0..threads)
+                .map(|n| start_thread(&core, n))
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let host = Host {
+            shared: Arc::new(HostShared {
+                core,
+                executors,
+                shutdown_grace: self.shutdown_grace,
+            }),
+        };
+        host.load_alarms(alarms);
+        Ok(host)
+    }
+}
+
+fn start_inline(core: &Arc<HostCore>) -> Result<mpsc::UnboundedSender<Job>, HostError> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let run = executor::run(Arc::clone(core), rx);
+    // tokio offers no way to ask whether a LocalSet is current other than
+    // trying; its refusal is turned into a typed error here.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tokio::task::spawn_local(run);
+    }))
+    .map_err(|_| HostError::NoRuntime {
+        required: "inside a tokio::task::LocalSet when threads is 0",
+    })?;
+    Ok(tx)
+}
+
+fn start_thread(core: &Arc<HostCore>, n: usize) -> Result<mpsc::UnboundedSender<Job>, HostError> {
+    let io_error = |e: std::io::Error| HostError::Io {
+        path: core.data_dir.clone(),
+        message: format!("cannot start executor thread {n}: {e}"),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(io_error)?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let core = Arc::clone(core);
+    std::thread::Builder::new()
+        .name(format!("durability-host-{n}"))
+        .spawn(move || {
+            let local = tokio::task::LocalSet::new();
+            local.block_on(&runtime, executor::run(core, rx));
+        })
+        .map_err(io_error)?;
+    Ok(tx)
+}
+
+impl Host {
+    /// Registers the object type of namespace `name`. `factory` builds an
+    /// object from its context on its first call or alarm (run migrations
+    /// there); it runs on the object's executor thread.
+    pub fn namespace<T: DurableObject>(
+        &self,
+        name: &str,
+        factory: impl Fn(ObjectContext) -> Result<T, BoxError> + Send + Sync + 'static,
+    ) -> Result<Namespace<T>, HostError> {
+        validate_name("namespace name", name)?;
+        let core = &self.shared.core;
+        let constructor: Constructor =
+            Arc::new(move |ctx| factory(ctx).map(|object| Rc::new(object) as Rc<dyn ErasedObject>));
+        {
+            let mut namespaces = core.namespaces.write().map_err(|_| HostError::ShutDown)?;
+            if namespaces.contains_key(name) {
+                return Err(HostError::NamespaceExists {
+                    name: name.to_owned(),
+                });
+            }
+            namespaces.insert(name.to_owned(), constructor);
+        }
+        let registered: Arc<str> = Arc::from(name);
+        for executor in &self.shared.executors {
+            let registered = Arc::clone(&registered);
+            let _ = executor.send(Box::new(move |e: &Rc<executor::Executor>| {
+                e.namespace_registered(&registered);
+            }));
+        }
+        Ok(Namespace {
+            host: self.clone(),
+            name: registered,
+            _object: PhantomData,
+        })
+    }
+
+    /// Evicts object `id` now if it is live: drops it, aborts its
+    /// background tasks and in-flight calls, closes its file. Storage and
+    /// alarm stay. Meant for tests.
+    pub async fn evict(&self, id: &ObjectId) -> Result<(), HostError> {
+        let (tx, rx) = oneshot::channel();
+        let target = id.clone();
+        self.send(
+            id,
+            Box::new(move |e| {
+                e.evict(&target);
+                let _ = tx.send(());
+            }),
+        )?;
+        rx.await.map_err(|_| HostError::ShutDown)
+    }
+
+    /// Refuses new calls, waits up to the shutdown grace for in-flight
+    /// calls, alarm runs and `wait_until` work, then evicts every object
+    /// and closes its database.
+    pub async fn shutdown(&self) {
+        let shared = &self.shared;
+        shared.core.shutting_down.store(true, Ordering::SeqCst);
+        if tokio::time::timeout(shared.shutdown_grace, shared.core.work.idle())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                grace_ms = shared.shutdown_grace.as_millis(),
+                "shutdown grace elapsed with work still in flight; it is dropped"
+            );
+        }
+        let mut acks = Vec::new();
+        for executor in &shared.executors {
+            let (tx, rx) = oneshot::channel();
+            let sent = executor.send(Box::new(move |e: &Rc<executor::Executor>| {
+                e.close();
+                let _ = tx.send(());
+            }));
+            if sent.is_ok() {
+                acks.push(rx);
+            }
+        }
+        for ack in acks {
+            let _ = ack.await;
+        }
+    }
+
+    /// The host clock: milliseconds since the Unix epoch, moving with
+    /// tokio's clock.
+    pub fn now_ms(&self) -> EpochMs {
+        self.shared.core.clock.now_ms()
+    }
+
+    /// How many objects are in memory now (for tests and memory benchmarks).
+    pub fn live_objects(&self) -> usize {
+        self.shared.core.live.load(Ordering::Relaxed)
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.shared.core.data_dir
+    }
+
+    fn send(&self, id: &ObjectId, job: Job) -> Result<(), HostError> {
+        let executors = &self.shared.executors;
+        let executor = executors
+            .get(executor_of(id, executors.len()))
+            .ok_or(HostError::ShutDown)?;
+        executor.send(job).map_err(|_| HostError::ShutDown)
+    }
+
+    fn load_alarms(&self, alarms: Vec<IndexedAlarm>) {
+        let executors = &self.shared.executors;
+        let mut per_executor: Vec<Vec<IndexedAlarm>> =
+            executors.iter().map(|_| Vec::new()).collect();
+        for alarm in alarms {
+            if let Some(batch) = per_executor.get_mut(executor_of(&alarm.id, executors.len())) {
+                batch.push(alarm);
+            }
+        }
+        for (executor, batch) in executors.iter().zip(per_executor) {
+            if !batch.is_empty() {
+                let _ = executor.send(Box::new(move |e: &Rc<executor::Executor>| {
+                    e.load_alarms(batch)
+                }));
+            }
+        }
+    }
+}
+
+/// The objects of one type: a registered namespace. Cloning is one
+/// reference-count increment; it is `Send + Sync`.
+pub struct Namespace<T> {
+    host: Host,
+    name: Arc<str>,
+    _object: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Namespace<T> {
+    fn clone(&self) -> Self {
+        Namespace {
+            host: self.host.clone(),
+            name: Arc::clone(&self.name),
+            _object: PhantomData,
+        }
+    }
+}
+
+impl<T: DurableObject> Namespace<T> {
+    /// The namespace's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The id of object `name`, without touching it.
+    pub fn id_of(&self, name: &str) -> Result<ObjectId, HostError> {
+        validate_name("object name", name)?;
+        Ok(object_id(&self.name, name))
+    }
+
+    /// A handle to object `name`. Nothing is opened until the first call.
+    pub fn stub(&self, name: &str) -> Result<Stub<T>, HostError> {
+        let id = self.id_of(name)?;
+        Ok(Stub {
+            host: self.host.clone(),
+            namespace: Arc::clone(&self.name),
+            name: Arc::from(name),
+            id,
+            _object: PhantomData,
+        })
+    }
+}
+
+/// A handle to one object: sends calls to the object's executor. Cloning
+/// costs three reference-count increments and a 64-byte id copy; it is
+/// `Send + Sync`.
+pub struct Stub<T> {
+    host: Host,
+    namespace: Arc<str>,
+    name: Arc<str>,
+    id: ObjectId,
+    _object: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Stub<T> {
+    fn clone(&self) -> Self {
+        Stub {
+            host: self.host.clone(),
+            namespace: Arc::clone(&self.namespace),
+            name: Arc::clone(&self.name),
+            id: self.id.clone(),
+            _object: PhantomData,
+        }
+    }
+}
+
+impl<T: DurableObject> Stub<T> {
+    /// The object's id.
+    pub fn id(&self) -> &ObjectId {
+        &self.id
+    }
+
+    /// The object's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Runs `f` on the object's executor, constructing the object first if
+    /// it is not in memory. Many calls may be in flight on one object; they
+    /// interleave only at awaits.
+    pub async fn call<F, Fut, R>(&self, f: F) -> Result<R, CallError>
+    where
+        F: FnOnce(Rc<T>) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + 'static,
+        R: Send + 'static,
+    {
+        let core = &self.host.shared.core;
+        if core.shutting_down.load(Ordering::SeqCst) {
+            return Err(CallError::ShuttingDown);
+        }
+        // Counted before it is sent, so shutdown cannot miss a call that
+        // is on its way to the executor.
+        let guard = core.work.begin();
+        let (tx, rx) = oneshot::channel();
+        let id = self.id.clone();
+        let namespace = Arc::clone(&self.namespace);
+        let name = Arc::clone(&self.name);
+        let job: Job = Box::new(move |e| e.call::<T, F, Fut, R>(id, namespace, name, f, tx, guard));
+        self.host
+            .send(&self.id, job)
+            .map_err(|_| CallError::ShuttingDown)?;
+        rx.await.unwrap_or_else(|_| {
+            Err(CallError::Aborted {
+                id: self.id.to_string(),
+            })
+        })
+    }
+}

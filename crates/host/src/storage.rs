@@ -1,0 +1,548 @@
+//! One object's storage: its SQLite file, its one alarm, and the
+//! transactions that commit rows and alarm together.
+//!
+//! The alarm is a row of a host table in the object's own file, so a
+//! transaction that writes rows and changes the alarm commits or rolls back
+//! both. The host's alarm index (see [`crate::index`]) is a second database
+//! and is kept conservative around each commit. This module owns the
+//! connection; it never touches another object's file.
+
+use std::cell::{Cell, RefCell};
+use std::path::Path;
+use std::rc::Weak;
+use std::sync::Arc;
+
+use durability_platform::{
+    EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, ObjectId, Rollback, Row, Sql, Storage, StorageError,
+    Transaction, Value,
+};
+use rusqlite::types::{ToSqlOutput, ValueRef};
+use rusqlite::{Connection, OpenFlags, params};
+
+use crate::Synchronous;
+use crate::error::{closed_error, storage_error};
+use crate::executor::Executor;
+use crate::index::AlarmIndex;
+
+/// The host's tables inside every object file. Capabilities use other names.
+pub(crate) const META_TABLE: &str = "_durability_host_meta";
+pub(crate) const ALARM_TABLE: &str = "_durability_host_alarm";
+
+const SETUP_SQL: &str = "
+    CREATE TABLE IF NOT EXISTS _durability_host_meta (
+        key TEXT PRIMARY KEY,
+        value TEXT NOT NULL
+    ) WITHOUT ROWID;
+    CREATE TABLE IF NOT EXISTS _durability_host_alarm (
+        slot INTEGER PRIMARY KEY CHECK (slot = 0),
+        at_ms INTEGER NOT NULL
+    );";
+
+/// Prepared statements kept per connection; capabilities use a few dozen
+/// distinct statements, and a miss costs a re-prepare, not a failure.
+const STATEMENT_CACHE_CAPACITY: usize = 128;
+
+/// Where an opened file says it belongs.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    pub(crate) name: Option<String>,
+    pub(crate) alarm: Option<EpochMs>,
+}
+
+/// The storage of one live object. Not `Send`: it lives on its object's
+/// executor thread, and its cells are only touched there.
+pub(crate) struct ObjectStorage {
+    /// `None` once the object is evicted or the host closed it, so a handle
+    /// that outlives its object cannot write behind a newer instance.
+    conn: RefCell<Option<Connection>>,
+    id: ObjectId,
+    namespace: Arc<str>,
+    index: Arc<AlarmIndex>,
+    executor: Weak<Executor>,
+    /// The alarm as committed in the file.
+    alarm: Cell<Option<EpochMs>>,
+    /// What the index holds for this object (`None`: no entry). The index
+    /// is never later than the file, see [`crate::index`].
+    indexed: Cell<Option<EpochMs>>,
+    /// The alarm change of the open transaction, applied to the cells
+    /// above only after COMMIT. `Some(None)` is a delete.
+    pending: Cell<Option<Option<EpochMs>>>,
+    /// Transaction nesting; nested transactions are SAVEPOINTs.
+    depth: Cell<u32>,
+    /// Set when SQLite rolled the open transaction back by itself (after a
+    /// full disk or I/O error), so later statements of the body fail
+    /// instead of running outside any transaction and half-writing.
+    aborted: RefCell<Option<StorageError>>,
+    /// While the alarm handler runs, the alarm that fired is not reported.
+    hidden: Cell<bool>,
+    /// Whether the alarm was set or deleted since the handler started.
+    changed: Cell<bool>,
+}
+
+impl ObjectStorage {
+    /// Opens (creating if needed) the file of object `id` and records its
+    /// namespace and, when known, its name.
+    #[allow(clippy::too_many_arguments)] // each argument is a distinct part of the object's identity or host
+    pub(crate) fn open(
+        path: &Path,
+        id: ObjectId,
+        namespace: Arc<str>,
+        name: Option<&str>,
+        synchronous: Synchronous,
+        index: Arc<AlarmIndex>,
+        executor: Weak<Executor>,
+    ) -> Result<(Self, Recorded), StorageError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| StorageError::Unavailable {
+                message: format!("cannot create {}: {e}", dir.display()),
+            })?;
+        }
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(storage_error)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(storage_error)?;
+        conn.pragma_update(None, "synchronous", synchronous.pragma())
+            .map_err(storage_error)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
+        let recorded = setup(&conn, &id, &namespace, name)?;
+        let indexed = index.get(&id)?;
+        let storage = ObjectStorage {
+            conn: RefCell::new(Some(conn)),
+            id,
+            namespace,
+            index,
+            executor,
+            alarm: Cell::new(recorded.alarm),
+            indexed: Cell::new(indexed),
+            pending: Cell::new(None),
+            depth: Cell::new(0),
+            aborted: RefCell::new(None),
+            hidden: Cell::new(false),
+            changed: Cell::new(false),
+        };
+        Ok((storage, recorded))
+    }
+
+    /// Closes the connection; later calls fail with `Unavailable`.
+    pub(crate) fn close(&self) {
+        if let Ok(mut conn) = self.conn.try_borrow_mut() {
+            conn.take();
+        }
+    }
+
+    /// The committed alarm, ignoring the firing rule (for the host).
+    pub(crate) fn committed_alarm(&self) -> Option<EpochMs> {
+        self.alarm.get()
+    }
+
+    /// The firing alarm's handler starts: hide it from `get_alarm`.
+    pub(crate) fn begin_fire(&self) {
+        self.hidden.set(true);
+        self.changed.set(false);
+    }
+
+    /// The handler ended. Returns whether it changed the alarm itself.
+    pub(crate) fn end_fire(&self) -> bool {
+        self.hidden.set(false);
+        self.changed.replace(false)
+    }
+
+    /// Removes the alarm after a delivery that needs no repeat.
+    pub(crate) fn clear_alarm(&self) -> Result<(), StorageError> {
+        self.change_alarm(None)
+    }
+
+    fn with_conn<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StorageError>,
+    ) -> Result<T, StorageError> {
+        if self.depth.get() > 0
+            && let Ok(aborted) = self.aborted.try_borrow()
+            && let Some(error) = aborted.as_ref()
+        {
+            return Err(error.clone());
+        }
+        let conn = self.conn.try_borrow().map_err(|_| closed_error())?;
+        let conn = conn.as_ref().ok_or_else(closed_error)?;
+        let result = f(conn);
+        if let Err(error) = &result {
+            // SQLite rolls a transaction back by itself after some errors
+            // (full disk, I/O); remember it so the body cannot go on in
+            // autocommit mode and leave half of its writes behind.
+            if self.depth.get() > 0
+                && conn.is_autocommit()
+                && let Ok(mut aborted) = self.aborted.try_borrow_mut()
+            {
+                aborted.get_or_insert_with(|| error.clone());
+            }
+        }
+        result
+    }
+
+    fn take_abort(&self) -> Option<StorageError> {
+        self.aborted
+            .try_borrow_mut()
+            .ok()
+            .and_then(|mut a| a.take())
+    }
+
+    fn write_alarm(&self, at_ms: Option<EpochMs>) -> Result<(), StorageError> {
+        if let Some(at) = at_ms
+            && !(0..=MAX_SAFE_INTEGER).contains(&at)
+        {
+            return Err(StorageError::InvalidAlarmTime { at_ms: at });
+        }
+        self.with_conn(|conn| {
+            let result = match at_ms {
+                Some(at) => conn
+                    .prepare_cached(
+                        "INSERT INTO _durability_host_alarm (slot, at_ms) VALUES (0, ?1)
+                         ON CONFLICT (slot) DO UPDATE SET at_ms = excluded.at_ms",
+                    )
+                    .and_then(|mut s| s.execute(params![at])),
+                None => conn
+                    .prepare_cached("DELETE FROM _durability_host_alarm")
+                    .and_then(|mut s| s.execute([])),
+            };
+            result.map(|_| ()).map_err(storage_error)
+        })?;
+        self.pending.set(Some(at_ms));
+        Ok(())
+    }
+
+    /// The alarm as seen inside the open transaction.
+    fn visible_alarm(&self) -> Option<EpochMs> {
+        match self.pending.get() {
+            Some(pending) => pending,
+            None if self.hidden.get() => None,
+            None => self.alarm.get(),
+        }
+    }
+
+    /// Runs `body` in a transaction (a SAVEPOINT when nested). Returns
+    /// `Ok(false)` when the body asked for a rollback.
+    fn run_transaction(
+        &self,
+        body: &mut dyn FnMut() -> Result<(), Rollback>,
+    ) -> Result<bool, StorageError> {
+        let depth = self.depth.get();
+        let outer = depth == 0;
+        let begin = if outer {
+            "BEGIN IMMEDIATE"
+        } else {
+            "SAVEPOINT durability_nested"
+        };
+        self.with_conn(|conn| conn.execute_batch(begin).map_err(storage_error))?;
+        let saved_pending = self.pending.get();
+        if outer {
+            self.take_abort();
+        }
+        self.depth.set(depth + 1);
+        let outcome = body();
+        self.depth.set(depth);
+        let aborted = if outer {
+            self.take_abort()
+        } else {
+            self.aborted.try_borrow().ok().and_then(|a| a.clone())
+        };
+        if let Some(error) = aborted {
+            // SQLite already rolled back; make sure nothing stays open.
+            if outer {
+                self.rollback();
+                self.pending.set(None);
+            }
+            return Err(error);
+        }
+        match outcome {
+            Err(Rollback) => {
+                if outer {
+                    self.rollback();
+                    self.pending.set(None);
+                } else {
+                    self.with_conn(|conn| {
+                        conn.execute_batch(
+                            "ROLLBACK TO durability_nested; RELEASE durability_nested",
+                        )
+                        .map_err(storage_error)
+                    })?;
+                    self.pending.set(saved_pending);
+                }
+                Ok(false)
+            }
+            Ok(()) if !outer => {
+                self.with_conn(|conn| {
+                    conn.execute_batch("RELEASE durability_nested")
+                        .map_err(storage_error)
+                })?;
+                Ok(true)
+            }
+            Ok(()) => self.commit().map(|()| true),
+        }
+    }
+
+    fn rollback(&self) {
+        let _ = self.with_conn(|conn| {
+            if !conn.is_autocommit() {
+                conn.execute_batch("ROLLBACK").map_err(storage_error)?;
+            }
+            Ok(())
+        });
+    }
+
+    /// Commits the outer transaction, keeping the alarm index conservative.
+    fn commit(&self) -> Result<(), StorageError> {
+        let pending = self.pending.take();
+        if let Some(Some(at)) = pending {
+            // Lower the index before the file can hold an earlier alarm: a
+            // crash after this commit must still find the object due.
+            if self.indexed.get().is_none_or(|indexed| at < indexed) {
+                if let Err(error) = self.index.set(&self.id, &self.namespace, Some(at)) {
+                    self.rollback();
+                    return Err(error);
+                }
+                self.indexed.set(Some(at));
+            }
+        }
+        if let Err(error) =
+            self.with_conn(|conn| conn.execute_batch("COMMIT").map_err(storage_error))
+        {
+            self.rollback();
+            return Err(error);
+        }
+        if let Some(alarm) = pending {
+            self.alarm_committed(alarm);
+        }
+        Ok(())
+    }
+
+    fn alarm_committed(&self, alarm: Option<EpochMs>) {
+        self.alarm.set(alarm);
+        self.hidden.set(false);
+        self.changed.set(true);
+        if self.indexed.get() != alarm {
+            match self.index.set(&self.id, &self.namespace, alarm) {
+                Ok(()) => self.indexed.set(alarm),
+                // The index stays earlier than (or as stale as) the file,
+                // which costs at most a spurious wake.
+                Err(error) => {
+                    tracing::warn!(object = %self.id, %error, "alarm index update failed")
+                }
+            }
+        }
+        if let Some(executor) = self.executor.upgrade() {
+            executor.alarm_changed(&self.id, &self.namespace, alarm);
+        }
+    }
+}
+
+/// Creates the host tables on first use and reads what the file records.
+fn setup(
+    conn: &Connection,
+    id: &ObjectId,
+    namespace: &str,
+    name: Option<&str>,
+) -> Result<Recorded, StorageError> {
+    let mut recorded = Recorded::default();
+    let mut recorded_id = None;
+    let mut recorded_namespace = None;
+    match read_meta(conn) {
+        Ok(meta) => {
+            for (key, value) in meta {
+                match key.as_str() {
+                    "id" => recorded_id = Some(value),
+                    "namespace" => recorded_namespace = Some(value),
+                    "name" => recorded.name = Some(value),
+                    _ => {}
+                }
+            }
+        }
+        // A fresh file has no host tables yet; anything else is a real failure.
+        Err(rusqlite::Error::SqliteFailure(failure, _))
+            if failure.code == rusqlite::ErrorCode::Unknown => {}
+        Err(error) => return Err(storage_error(error)),
+    }
+    if recorded_id.as_deref().is_some_and(|r| r != id.as_str()) {
+        return Err(StorageError::Corrupt {
+            message: format!("file of object {id} records another object id"),
+        });
+    }
+    let needs_name = name.is_some() && recorded.name.is_none();
+    if recorded_id.is_none() || recorded_namespace.is_none() || needs_name {
+        let tx = conn.unchecked_transaction().map_err(storage_error)?;
+        tx.execute_batch(SETUP_SQL).map_err(storage_error)?;
+        let mut insert = tx
+            .prepare_cached(
+                "INSERT OR IGNORE INTO _durability_host_meta (key, value) VALUES (?1, ?2)",
+            )
+            .map_err(storage_error)?;
+        insert
+            .execute(params!["id", id.as_str()])
+            .map_err(storage_error)?;
+        insert
+            .execute(params!["namespace", namespace])
+            .map_err(storage_error)?;
+        if let Some(name) = name {
+            insert
+                .execute(params!["name", name])
+                .map_err(storage_error)?;
+            recorded.name = Some(name.to_owned());
+        }
+        drop(insert);
+        tx.commit().map_err(storage_error)?;
+    }
+    recorded.alarm = conn
+        .prepare_cached("SELECT at_ms FROM _durability_host_alarm WHERE slot = 0")
+        .and_then(|mut s| {
+            let mut rows = s.query([])?;
+            match rows.next()? {
+                Some(row) => row.get(0).map(Some),
+                None => Ok(None),
+            }
+        })
+        .map_err(storage_error)?;
+    Ok(recorded)
+}
+
+fn read_meta(conn: &Connection) -> rusqlite::Result<Vec<(String, String)>> {
+    let mut stmt = conn.prepare_cached("SELECT key, value FROM _durability_host_meta")?;
+    let rows = stmt.query_map([], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    rows.collect()
+}
+
+fn to_sql(value: &Value) -> ToSqlOutput<'_> {
+    ToSqlOutput::Borrowed(match value {
+        Value::Null => ValueRef::Null,
+        Value::Integer(v) => ValueRef::Integer(*v),
+        Value::Real(v) => ValueRef::Real(*v),
+        Value::Text(v) => ValueRef::Text(v.as_bytes()),
+        Value::Blob(v) => ValueRef::Blob(v),
+    })
+}
+
+fn from_sql(value: ValueRef<'_>) -> Value {
+    match value {
+        ValueRef::Null => Value::Null,
+        ValueRef::Integer(v) => Value::Integer(v),
+        ValueRef::Real(v) => Value::Real(v),
+        ValueRef::Text(v) => Value::Text(String::from_utf8_lossy(v).into_owned()),
+        ValueRef::Blob(v) => Value::Blob(v.to_vec()),
+    }
+}
+
+pub(crate) fn execute(conn: &Connection, sql: &str, params: &[Value]) -> rusqlite::Result<usize> {
+    conn.prepare_cached(sql)?
+        .execute(rusqlite::params_from_iter(params.iter().map(to_sql)))
+}
+
+pub(crate) fn query(conn: &Connection, sql: &str, params: &[Value]) -> rusqlite::Result<Vec<Row>> {
+    let mut stmt = conn.prepare_cached(sql)?;
+    let columns: Arc<[String]> = stmt.column_names().into_iter().map(str::to_owned).collect();
+    let width = columns.len();
+    let mut rows = stmt.query(rusqlite::params_from_iter(params.iter().map(to_sql)))?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next()? {
+        let mut values = Vec::with_capacity(width);
+        for i in 0..width {
+            values.push(from_sql(row.get_ref(i)?));
+        }
+        out.push(Row::new(Arc::clone(&columns), values));
+    }
+    Ok(out)
+}
+
+impl Sql for ObjectStorage {
+    fn execute(&self, sql: &str, params: &[Value]) -> Result<usize, StorageError> {
+        self.with_conn(|conn| execute(conn, sql, params).map_err(storage_error))
+    }
+
+    fn query(&self, sql: &str, params: &[Value]) -> Result<Vec<Row>, StorageError> {
+        self.with_conn(|conn| query(conn, sql, params).map_err(storage_error))
+    }
+
+    fn execute_script(&self, sql: &str) -> Result<(), StorageError> {
+        self.with_conn(|conn| conn.execute_batch(sql).map_err(storage_error))
+    }
+}
+
+/// The view a transaction body gets: the object's SQL plus its alarm.
+struct TransactionView<'a>(&'a ObjectStorage);
+
+impl Sql for TransactionView<'_> {
+    fn execute(&self, sql: &str, params: &[Value]) -> Result<usize, StorageError> {
+        self.0.execute(sql, params)
+    }
+    fn query(&self, sql: &str, params: &[Value]) -> Result<Vec<Row>, StorageError> {
+        self.0.query(sql, params)
+    }
+    fn execute_script(&self, sql: &str) -> Result<(), StorageError> {
+        self.0.execute_script(sql)
+    }
+}
+
+impl Transaction for TransactionView<'_> {
+    fn get_alarm(&self) -> Result<Option<EpochMs>, StorageError> {
+        Ok(self.0.visible_alarm())
+    }
+    fn set_alarm(&self, at_ms: EpochMs) -> Result<(), StorageError> {
+        self.0.write_alarm(Some(at_ms))
+    }
+    fn delete_alarm(&self) -> Result<(), StorageError> {
+        self.0.write_alarm(None)
+    }
+}
+
+impl Storage for ObjectStorage {
+    fn transaction_sync_dyn(
+        &self,
+        body: &mut dyn FnMut(&dyn Sql) -> Result<(), Rollback>,
+    ) -> Result<bool, StorageError> {
+        self.run_transaction(&mut || body(self))
+    }
+
+    fn transaction_dyn<'a>(
+        &'a self,
+        body: &'a mut dyn FnMut(&dyn Transaction) -> Result<(), Rollback>,
+    ) -> LocalBoxFuture<'a, Result<bool, StorageError>> {
+        // The alarm lives in the object's own file, so the whole
+        // transaction is synchronous; the future only fits the contract.
+        let result = self.run_transaction(&mut || body(&TransactionView(self)));
+        Box::pin(std::future::ready(result))
+    }
+
+    fn get_alarm(&self) -> LocalBoxFuture<'_, Result<Option<EpochMs>, StorageError>> {
+        let result = self.with_conn(|_| Ok(())).map(|()| self.visible_alarm());
+        Box::pin(std::future::ready(result))
+    }
+
+    fn set_alarm(&self, at_ms: EpochMs) -> LocalBoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(std::future::ready(self.change_alarm(Some(at_ms))))
+    }
+
+    fn delete_alarm(&self) -> LocalBoxFuture<'_, Result<(), StorageError>> {
+        Box::pin(std::future::ready(self.change_alarm(None)))
+    }
+}
+
+impl ObjectStorage {
+    fn change_alarm(&self, at_ms: Option<EpochMs>) -> Result<(), StorageError> {
+        let mut failure = None;
+        let committed = self.run_transaction(&mut || {
+            self.write_alarm(at_ms).map_err(|error| {
+                failure = Some(error);
+                Rollback
+            })
+        })?;
+        match (committed, failure) {
+            (_, Some(error)) => Err(error),
+            (true, None) => Ok(()),
+            (false, None) => Err(StorageError::Sql {
+                message: "the alarm change was rolled back".into(),
+            }),
+        }
+    }
+}

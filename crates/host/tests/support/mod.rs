@@ -1,0 +1,115 @@
+//! Fixtures shared by the host's integration tests: a small object type
+//! built through the public API only.
+
+#![allow(dead_code)] // each test binary uses a different part of the support module
+
+use std::cell::RefCell;
+use std::future::Future;
+use std::rc::Rc;
+
+use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Namespace, ObjectContext};
+use durability_platform::{Context, StorageError, StorageExt, params};
+
+/// An object with a `notes` table and a log of the alarms it received.
+pub struct Notes {
+    pub ctx: ObjectContext,
+    pub alarms: RefCell<Vec<AlarmInfo>>,
+    /// How many of the next alarm deliveries fail.
+    pub failing_alarms: RefCell<u32>,
+}
+
+impl DurableObject for Notes {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        self.alarms.borrow_mut().push(info);
+        let at = self.ctx.now_ms();
+        self.ctx.storage().execute(
+            "INSERT INTO alarm_log (at_ms, retry_count) VALUES (?1, ?2)",
+            &params![at, info.retry_count],
+        )?;
+        let mut failing = self.failing_alarms.borrow_mut();
+        if *failing > 0 {
+            *failing -= 1;
+            return Err("alarm handler failed on purpose".into());
+        }
+        Ok(())
+    }
+}
+
+impl Notes {
+    pub fn add(&self, text: &str) -> Result<(), StorageError> {
+        self.ctx
+            .storage()
+            .execute("INSERT INTO notes (text) VALUES (?1)", &params![text])
+            .map(|_| ())
+    }
+
+    pub fn texts(&self) -> Result<Vec<String>, StorageError> {
+        self.ctx
+            .storage()
+            .query("SELECT text FROM notes ORDER BY rowid", &[])?
+            .iter()
+            .map(|row| row.get::<String>(0))
+            .collect()
+    }
+
+    /// Fired alarms as persisted: (time, retry count).
+    pub fn alarm_log(&self) -> Result<Vec<(i64, i64)>, StorageError> {
+        self.ctx
+            .storage()
+            .query(
+                "SELECT at_ms, retry_count FROM alarm_log ORDER BY rowid",
+                &[],
+            )?
+            .iter()
+            .map(|row| Ok((row.get::<i64>(0)?, row.get::<i64>(1)?)))
+            .collect()
+    }
+
+    pub async fn alarm(&self) -> Result<Option<i64>, StorageError> {
+        self.ctx.storage().get_alarm().await
+    }
+
+    /// Adds a note and sets the alarm in one transaction.
+    pub async fn add_with_alarm(&self, text: &str, at_ms: i64) -> Result<(), StorageError> {
+        let text = text.to_owned();
+        self.ctx
+            .storage()
+            .transaction(move |txn| {
+                txn.execute("INSERT INTO notes (text) VALUES (?1)", &params![text])?;
+                txn.set_alarm(at_ms)
+            })
+            .await
+    }
+}
+
+/// Registers the `notes` namespace.
+pub fn notes(host: &Host) -> Namespace<Notes> {
+    host.namespace("notes", |ctx: ObjectContext| {
+        ctx.storage().execute_script(
+            "CREATE TABLE IF NOT EXISTS notes (text TEXT NOT NULL);
+             CREATE TABLE IF NOT EXISTS alarm_log (at_ms INTEGER NOT NULL, retry_count INTEGER NOT NULL);",
+        )?;
+        Ok(Notes {
+            ctx,
+            alarms: RefCell::new(Vec::new()),
+            failing_alarms: RefCell::new(0),
+        })
+    })
+    .expect("the notes namespace registers once per host")
+}
+
+/// Runs `test` inside a `LocalSet` on the current (paused) runtime, as
+/// inline hosts require.
+pub async fn local<F: Future>(test: F) -> F::Output {
+    tokio::task::LocalSet::new().run_until(test).await
+}
+
+/// Builds an inline host on `dir`.
+pub fn inline_host(dir: &std::path::Path) -> Host {
+    Host::builder(dir)
+        .threads(0)
+        .build()
+        .expect("an inline host builds inside a LocalSet")
+}
+
+pub type Shared<T> = Rc<RefCell<T>>;
