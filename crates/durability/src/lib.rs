@@ -6,3 +6,11 @@
 //! host (`durability-host`) and, later, inside Cloudflare Durable Objects.
 
 pub use durability_platform as platform;
+
+pub mod codec;
+pub mod error;
+pub mod lifecycle;
+pub mod memo;
+pub mod migrations;
+pub mod record;
+pub mod retry;

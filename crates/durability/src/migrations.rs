@@ -1,0 +1,557 @@
+//! Schema migrations (§10): one history table shared by every capability,
+//! each row remembering the script that reverts it.
+//!
+//! A capability (`operations`, `namedAlarms`, `memos`, ...) owns an ordered
+//! list of [`Migration`]s. [`migrate`] brings the object's schema to a target
+//! in that list: the latest, a named one, or none at all. Each history row
+//! stores its `down` script, so an *older* version of the library can revert
+//! migrations it has never heard of; it does so for at most
+//! [`MAX_AUTO_REVERTED_MIGRATIONS`] of them and refuses beyond that, because
+//! a long revert chain written by a much newer version is more likely to lose
+//! data than to help.
+//!
+//! Crash safety: the history upkeep, the revert of unknown migrations and the
+//! planned batch are each one transaction, so a crash leaves the schema
+//! before or after a batch, never in between.
+//!
+//! This module owns the `durability_migrations` table and the migration
+//! lists of the capabilities in this crate. It touches another capability's
+//! tables only by running that capability's own scripts.
+//!
+//! ```no_run
+//! use durability::migrations::{migrate, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS};
+//! # fn run(storage: &dyn durability::platform::Storage) -> Result<(), durability::migrations::MigrationError> {
+//! let report = migrate(storage, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS, MigrationTarget::Latest)?;
+//! println!("applied {:?}", report.applied);
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+
+use durability_platform::{Sql, Storage, StorageError, StorageExt};
+use thiserror::Error;
+
+/// The history table shared by every capability.
+pub const HISTORY_TABLE: &str = "durability_migrations";
+
+/// How many migrations of a newer version a call reverts on its own before
+/// it refuses.
+pub const MAX_AUTO_REVERTED_MIGRATIONS: usize = 2;
+
+/// The capability name of durable operations.
+pub const OPERATIONS_CAPABILITY: &str = "operations";
+/// The capability name of named alarms.
+pub const NAMED_ALARMS_CAPABILITY: &str = "namedAlarms";
+/// The capability name of memos.
+pub const MEMOS_CAPABILITY: &str = "memos";
+
+/// One schema change and the script that undoes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migration {
+    /// Unique across every capability; recorded in the history table.
+    pub name: &'static str,
+    /// Applies the change (one or more statements).
+    pub up: &'static str,
+    /// Reverts it; stored with the history row at apply time.
+    pub down: &'static str,
+}
+
+/// Where [`migrate`] takes a capability's schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MigrationTarget {
+    /// The last migration of the list (none if the list is empty).
+    Latest,
+    /// The migration of this name: everything up to it applied, everything
+    /// after it reverted.
+    Named(String),
+    /// No migration: everything of the capability reverted.
+    None,
+}
+
+/// What a [`migrate`] call changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Migrations applied, in list order.
+    pub applied: Vec<String>,
+    /// Migrations reverted: unknown newer ones first (newest first), then
+    /// known ones after the target (newest first).
+    pub rolled_back: Vec<String>,
+}
+
+/// Which script of a migration failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// The `up` script.
+    Up,
+    /// The `down` script.
+    Down,
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Direction::Up => "up",
+            Direction::Down => "down",
+        })
+    }
+}
+
+/// Why a migration call failed. A failed batch left nothing of itself.
+#[derive(Debug, Clone, PartialEq, Error)]
+#[non_exhaustive]
+pub enum MigrationError {
+    /// The named target is not in the capability's list.
+    #[error("Unknown durability migration target \"{name}\"")]
+    UnknownTarget { name: String },
+    /// A newer version applied more unknown migrations than this one will
+    /// revert.
+    #[error(
+        "Durability {capability} schema is {count} migrations ahead of this version; refusing to revert more than {MAX_AUTO_REVERTED_MIGRATIONS}"
+    )]
+    TooFarAhead { capability: String, count: usize },
+    /// An unknown migration whose history row has no revert script.
+    #[error("Migration \"{name}\" has no stored down script")]
+    MissingDown { name: String },
+    /// A migration script failed; its whole batch was rolled back.
+    #[error("migration \"{name}\" failed running its {direction} script: {source}")]
+    Script {
+        name: String,
+        direction: Direction,
+        #[source]
+        source: StorageError,
+    },
+    /// The history table could not be read or written.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+}
+
+/// The combined 0004 row written by the 2.x library, which migrated calls and
+/// alarms in one step. 3.x split it per capability.
+const LEGACY_COMBINED_0004: &str = "durability_0004_generation_and_created_at";
+const CALLS_0004: &str = "durability_0004_calls_generation_and_created_at";
+const ALARMS_0004: &str = "durability_0004_alarms_generation_and_created_at";
+
+/// Brings `capability`'s schema to `target` (§10.2).
+///
+/// In order: resolve the target (an unknown name fails before any statement
+/// runs); make sure the history table and its `capability` and `down`
+/// columns exist, translate the 2.x combined row and claim unowned rows of
+/// this list (one transaction); revert up to two migrations of this
+/// capability that the list does not know, using their stored `down`
+/// (one transaction; more than two is an error); then revert what lies after
+/// the target, apply what is missing up to it and refresh stale stored
+/// `down` scripts (one transaction). The history table is dropped in that
+/// last transaction when no row of any capability remains.
+pub fn migrate(
+    storage: &dyn Storage,
+    capability: &str,
+    list: &[Migration],
+    target: MigrationTarget,
+) -> Result<MigrationReport, MigrationError> {
+    // How many leading migrations of the list the target keeps applied.
+    let keep = match &target {
+        MigrationTarget::Latest => list.len(),
+        MigrationTarget::None => 0,
+        MigrationTarget::Named(name) => {
+            match list.iter().position(|migration| migration.name == name) {
+                Some(index) => index + 1,
+                None => return Err(MigrationError::UnknownTarget { name: name.clone() }),
+            }
+        }
+    };
+
+    let recorded = storage.transaction_sync(|sql| -> Result<_, MigrationError> {
+        ensure_history_table(sql)?;
+        translate_legacy_rows(sql)?;
+        for migration in list {
+            sql.execute(
+                "UPDATE durability_migrations SET capability = ? \
+                 WHERE name = ? AND capability IS NULL",
+                &[capability.into(), migration.name.into()],
+            )?;
+        }
+        Ok(recorded_rows(sql, capability)?)
+    })?;
+
+    let mut future: Vec<&(String, Option<String>)> = recorded
+        .iter()
+        .filter(|(name, _)| !list.iter().any(|migration| migration.name == name))
+        .collect();
+    future.reverse();
+    if future.len() > MAX_AUTO_REVERTED_MIGRATIONS {
+        return Err(MigrationError::TooFarAhead {
+            capability: capability.to_owned(),
+            count: future.len(),
+        });
+    }
+    let mut report = MigrationReport::default();
+    if !future.is_empty() {
+        storage.transaction_sync(|sql| -> Result<(), MigrationError> {
+            for (name, down) in &future {
+                let down = down
+                    .as_deref()
+                    .ok_or_else(|| MigrationError::MissingDown { name: name.clone() })?;
+                run_script(sql, name, Direction::Down, down)?;
+                sql.execute(
+                    "DELETE FROM durability_migrations WHERE name = ?",
+                    &[name.into()],
+                )?;
+            }
+            Ok(())
+        })?;
+        report
+            .rolled_back
+            .extend(future.iter().map(|(name, _)| name.clone()));
+    }
+
+    let applied: HashMap<&str, Option<&str>> = recorded
+        .iter()
+        .filter(|(name, _)| list.iter().any(|migration| migration.name == name))
+        .map(|(name, down)| (name.as_str(), down.as_deref()))
+        .collect();
+    let (kept, after) = list.split_at(keep);
+    let to_revert: Vec<&Migration> = after
+        .iter()
+        .rev()
+        .filter(|migration| applied.contains_key(migration.name))
+        .collect();
+    let to_apply: Vec<&Migration> = kept
+        .iter()
+        .filter(|migration| !applied.contains_key(migration.name))
+        .collect();
+    let to_refresh: Vec<&Migration> = kept
+        .iter()
+        .filter(|migration| {
+            applied
+                .get(migration.name)
+                .is_some_and(|down| *down != Some(migration.down))
+        })
+        .collect();
+
+    storage.transaction_sync(|sql| -> Result<(), MigrationError> {
+        for migration in &to_revert {
+            run_script(sql, migration.name, Direction::Down, migration.down)?;
+            sql.execute(
+                "DELETE FROM durability_migrations WHERE name = ?",
+                &[migration.name.into()],
+            )?;
+        }
+        for migration in &to_apply {
+            run_script(sql, migration.name, Direction::Up, migration.up)?;
+            sql.execute(
+                "INSERT INTO durability_migrations (name, capability, down) VALUES (?, ?, ?)",
+                &[
+                    migration.name.into(),
+                    capability.into(),
+                    migration.down.into(),
+                ],
+            )?;
+        }
+        for migration in &to_refresh {
+            sql.execute(
+                "UPDATE durability_migrations SET down = ? WHERE name = ?",
+                &[migration.down.into(), migration.name.into()],
+            )?;
+        }
+        let remaining = sql
+            .query_row("SELECT COUNT(*) FROM durability_migrations", &[])?
+            .map(|row| row.get::<i64>(0))
+            .transpose()?
+            .unwrap_or(0);
+        if remaining == 0 {
+            sql.execute_script("DROP TABLE durability_migrations")?;
+        }
+        Ok(())
+    })?;
+
+    report
+        .rolled_back
+        .extend(to_revert.iter().map(|migration| migration.name.to_owned()));
+    report.applied = to_apply
+        .iter()
+        .map(|migration| migration.name.to_owned())
+        .collect();
+    Ok(report)
+}
+
+/// Whether `capability`'s recorded history is exactly `list`: every
+/// migration applied with the same stored `down` script, and nothing else.
+/// A helper's constructor checks this first so that a current schema costs
+/// a few reads instead of a migration. It never writes.
+pub fn is_schema_current(
+    sql: &dyn Sql,
+    capability: &str,
+    list: &[Migration],
+) -> Result<bool, StorageError> {
+    let exists = sql
+        .query_row(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'durability_migrations'",
+            &[],
+        )?
+        .is_some();
+    if !exists {
+        return Ok(list.is_empty());
+    }
+    let columns = history_columns(sql)?;
+    if !columns.iter().any(|c| c == "capability") || !columns.iter().any(|c| c == "down") {
+        return Ok(false);
+    }
+    let recorded = recorded_rows(sql, capability)?;
+    Ok(recorded.len() == list.len()
+        && list.iter().all(|migration| {
+            recorded.iter().any(|(name, down)| {
+                name == migration.name && down.as_deref() == Some(migration.down)
+            })
+        }))
+}
+
+fn ensure_history_table(sql: &dyn Sql) -> Result<(), StorageError> {
+    sql.execute_script(
+        "CREATE TABLE IF NOT EXISTS durability_migrations (\
+         id INTEGER PRIMARY KEY AUTOINCREMENT, \
+         name TEXT UNIQUE, \
+         applied_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP, \
+         capability TEXT, \
+         down TEXT)",
+    )?;
+    // A history table written by the 2.x library lacks both columns.
+    let columns = history_columns(sql)?;
+    if !columns.iter().any(|c| c == "capability") {
+        sql.execute_script("ALTER TABLE durability_migrations ADD COLUMN capability TEXT")?;
+    }
+    if !columns.iter().any(|c| c == "down") {
+        sql.execute_script("ALTER TABLE durability_migrations ADD COLUMN down TEXT")?;
+    }
+    Ok(())
+}
+
+fn history_columns(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
+    sql.query("PRAGMA table_info(durability_migrations)", &[])?
+        .iter()
+        .map(|row| row.get_named::<String>("name"))
+        .collect()
+}
+
+/// Inserts the split 0004 rows when the 2.x combined row exists. The combined
+/// row stays, so a 2.x deployment still sees its complete history.
+fn translate_legacy_rows(sql: &dyn Sql) -> Result<(), StorageError> {
+    for split in [CALLS_0004, ALARMS_0004] {
+        sql.execute(
+            "INSERT OR IGNORE INTO durability_migrations (name, capability, down) \
+             SELECT ?, NULL, NULL \
+             WHERE EXISTS (SELECT 1 FROM durability_migrations WHERE name = ?)",
+            &[split.into(), LEGACY_COMBINED_0004.into()],
+        )?;
+    }
+    Ok(())
+}
+
+/// This capability's rows, oldest first.
+fn recorded_rows(
+    sql: &dyn Sql,
+    capability: &str,
+) -> Result<Vec<(String, Option<String>)>, StorageError> {
+    sql.query(
+        "SELECT name, down FROM durability_migrations WHERE capability = ? ORDER BY id",
+        &[capability.into()],
+    )?
+    .iter()
+    .map(|row| Ok((row.get::<String>(0)?, row.get::<Option<String>>(1)?)))
+    .collect()
+}
+
+fn run_script(
+    sql: &dyn Sql,
+    name: &str,
+    direction: Direction,
+    script: &str,
+) -> Result<(), MigrationError> {
+    sql.execute_script(script)
+        .map_err(|source| MigrationError::Script {
+            name: name.to_owned(),
+            direction,
+            source,
+        })
+}
+
+/// The columns of `durability_calls` before 0004, shared by its scripts.
+macro_rules! calls_columns {
+    () => {
+        "id, operation, payload, status, result, attempt, next_attempt_at, last_error, last_error_name, completed_at"
+    };
+}
+
+/// The original `durability_calls` table body.
+macro_rules! calls_0001_body {
+    () => {
+        "(
+  id TEXT PRIMARY KEY,
+  operation TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'completed', 'failed')),
+  result TEXT,
+  attempt INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at INTEGER NOT NULL,
+  last_error TEXT,
+  last_error_name TEXT,
+  completed_at INTEGER
+)"
+    };
+}
+
+/// The current time in milliseconds, in SQL that every SQLite version runs
+/// (`unixepoch('subsec')` needs 3.42). Only backfills rows that existed
+/// before 0004; the library always writes `created_at` itself.
+macro_rules! sql_now_ms {
+    () => {
+        "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
+    };
+}
+
+/// The migrations of durable operations (`durability_calls`, §7.3). Names
+/// follow the reference library; 0003 belongs to named alarms.
+pub const OPERATIONS_MIGRATIONS: &[Migration] = &[
+    Migration {
+        name: "durability_0001_create_calls",
+        up: concat!("CREATE TABLE durability_calls ", calls_0001_body!(), ";"),
+        down: "DROP TABLE durability_calls;",
+    },
+    Migration {
+        name: "durability_0002_pending_index",
+        up: "CREATE INDEX durability_calls_pending_idx ON durability_calls (status, next_attempt_at);",
+        down: "DROP INDEX durability_calls_pending_idx;",
+    },
+    Migration {
+        name: CALLS_0004,
+        // SQLite cannot add a NOT NULL column without a constant default, so
+        // the table is rebuilt. Existing rows get a generation of their own
+        // ('legacy:' || id) and the migration time as created_at.
+        up: concat!(
+            "CREATE TABLE durability_calls_0004 (
+  id TEXT PRIMARY KEY,
+  operation TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'completed', 'failed')),
+  result TEXT,
+  attempt INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at INTEGER NOT NULL,
+  last_error TEXT,
+  last_error_name TEXT,
+  completed_at INTEGER,
+  generation_id TEXT NOT NULL DEFAULT 'legacy',
+  created_at INTEGER NOT NULL DEFAULT (",
+            sql_now_ms!(),
+            ")
+);
+INSERT INTO durability_calls_0004 (",
+            calls_columns!(),
+            ", generation_id, created_at)
+SELECT ",
+            calls_columns!(),
+            ", 'legacy:' || id, ",
+            sql_now_ms!(),
+            " FROM durability_calls;
+DROP TABLE durability_calls;
+ALTER TABLE durability_calls_0004 RENAME TO durability_calls;
+CREATE INDEX durability_calls_pending_idx ON durability_calls (status, next_attempt_at);
+CREATE INDEX durability_calls_created_idx ON durability_calls (created_at);"
+        ),
+        down: concat!(
+            "CREATE TABLE durability_calls_0001 ",
+            calls_0001_body!(),
+            ";
+INSERT INTO durability_calls_0001 (",
+            calls_columns!(),
+            ")
+SELECT ",
+            calls_columns!(),
+            " FROM durability_calls;
+DROP TABLE durability_calls;
+ALTER TABLE durability_calls_0001 RENAME TO durability_calls;
+CREATE INDEX durability_calls_pending_idx ON durability_calls (status, next_attempt_at);"
+        ),
+    },
+];
+
+/// The columns of `durability_alarms` before 0004.
+macro_rules! alarms_columns {
+    () => {
+        "name, generation_id, status, scheduled_at, next_attempt_at, attempt, last_error, last_error_name"
+    };
+}
+
+/// The original `durability_alarms` table body.
+macro_rules! alarms_0003_body {
+    () => {
+        "(
+  name TEXT PRIMARY KEY,
+  generation_id TEXT NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'failed')),
+  scheduled_at INTEGER NOT NULL,
+  next_attempt_at INTEGER NOT NULL,
+  attempt INTEGER NOT NULL DEFAULT 0,
+  last_error TEXT,
+  last_error_name TEXT
+)"
+    };
+}
+
+/// The migrations of named alarms (`durability_alarms`, §8.3).
+pub const NAMED_ALARMS_MIGRATIONS: &[Migration] = &[
+    Migration {
+        name: "durability_0003_create_alarms",
+        up: concat!(
+            "CREATE TABLE durability_alarms ",
+            alarms_0003_body!(),
+            ";
+CREATE INDEX durability_alarms_pending_idx ON durability_alarms (status, next_attempt_at);"
+        ),
+        down: "DROP INDEX durability_alarms_pending_idx;
+DROP TABLE durability_alarms;",
+    },
+    Migration {
+        name: ALARMS_0004,
+        up: concat!(
+            "CREATE TABLE durability_alarms_0004 (
+  name TEXT PRIMARY KEY,
+  generation_id TEXT NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'failed')),
+  scheduled_at INTEGER NOT NULL,
+  next_attempt_at INTEGER NOT NULL,
+  attempt INTEGER NOT NULL DEFAULT 0,
+  last_error TEXT,
+  last_error_name TEXT,
+  created_at INTEGER NOT NULL DEFAULT (",
+            sql_now_ms!(),
+            ")
+);
+INSERT INTO durability_alarms_0004 (",
+            alarms_columns!(),
+            ", created_at)
+SELECT ",
+            alarms_columns!(),
+            ", ",
+            sql_now_ms!(),
+            " FROM durability_alarms;
+DROP TABLE durability_alarms;
+ALTER TABLE durability_alarms_0004 RENAME TO durability_alarms;
+CREATE INDEX durability_alarms_pending_idx ON durability_alarms (status, next_attempt_at);
+CREATE INDEX durability_alarms_created_idx ON durability_alarms (created_at);"
+        ),
+        down: concat!(
+            "CREATE TABLE durability_alarms_0003 ",
+            alarms_0003_body!(),
+            ";
+INSERT INTO durability_alarms_0003 (",
+            alarms_columns!(),
+            ")
+SELECT ",
+            alarms_columns!(),
+            " FROM durability_alarms;
+DROP TABLE durability_alarms;
+ALTER TABLE durability_alarms_0003 RENAME TO durability_alarms;
+CREATE INDEX durability_alarms_pending_idx ON durability_alarms (status, next_attempt_at);"
+        ),
+    },
+];
