@@ -18,12 +18,14 @@ pub(crate) struct Clock {
 }
 
 impl Clock {
-    /// Starts the clock at the current system time.
-    pub(crate) fn start() -> Self {
-        let origin_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-            .unwrap_or(0);
+    /// Starts the clock at `origin_ms`, or at the current system time.
+    pub(crate) fn start(origin_ms: Option<EpochMs>) -> Self {
+        let origin_ms = origin_ms.unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+                .unwrap_or(0)
+        });
         Clock {
             origin_ms,
             origin: Instant::now(),

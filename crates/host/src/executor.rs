@@ -254,6 +254,11 @@ async fn alarm_loop(executor: Rc<Executor>) {
         if executor.closed.get() {
             return;
         }
+        if executor.core.shutting_down.load(Ordering::SeqCst) {
+            // No new alarm runs during shutdown; wait for the close.
+            executor.wake.notified().await;
+            continue;
+        }
         let next = executor.schedule.borrow().next_deadline();
         match next {
             Some(at_ms) => {
@@ -487,7 +492,12 @@ impl Executor {
     }
 
     fn start_alarm(self: &Rc<Self>, id: ObjectId, entry: Entry, now_ms: EpochMs) {
-        let slot = match self.object(&id, &entry.namespace, None) {
+        // Marked running before construction, so the new object does not
+        // schedule its own row a second time.
+        self.schedule.borrow_mut().running.insert(id.clone());
+        let slot = self.object(&id, &entry.namespace, None);
+        self.schedule.borrow_mut().running.remove(&id);
+        let slot = match slot {
             Ok(slot) => slot,
             Err(error) => {
                 tracing::warn!(object = %id, %error, "object could not be woken for its alarm");

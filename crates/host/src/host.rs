@@ -10,13 +10,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use durability_platform::{EpochMs, ObjectId};
+use durability_platform::{EpochMs, MAX_SAFE_INTEGER, ObjectId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::Clock;
 use crate::context::ObjectContext;
 use crate::executor::{self, Constructor, ErasedObject, Job};
-use crate::id::{executor_of, object_id, validate_name};
+use crate::id::{executor_of, object_id, object_path, validate_name};
 use crate::index::{AlarmIndex, IndexedAlarm};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
@@ -124,6 +124,7 @@ pub struct HostBuilder {
     idle_timeout: Duration,
     synchronous: Synchronous,
     shutdown_grace: Duration,
+    clock_start_ms: Option<EpochMs>,
 }
 
 impl Host {
@@ -135,6 +136,7 @@ impl Host {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             synchronous: Synchronous::Full,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            clock_start_ms: None,
         }
     }
 }
@@ -168,6 +170,14 @@ impl HostBuilder {
         self
     }
 
+    /// Starts the host clock at `epoch_ms` instead of the system time.
+    /// Tests and simulations use it to start a host "later" than a previous
+    /// one stopped, on paused tokio time. Must be a non-negative safe integer.
+    pub fn clock_start_ms(mut self, epoch_ms: EpochMs) -> Self {
+        self.clock_start_ms = Some(epoch_ms);
+        self
+    }
+
     /// Builds the host: opens the alarm index and starts the executors,
     /// which wake every object whose indexed alarm is due.
     ///
@@ -185,6 +195,15 @@ impl HostBuilder {
                 rule: "must be greater than zero",
             });
         }
+        if self
+            .clock_start_ms
+            .is_some_and(|ms| !(0..=MAX_SAFE_INTEGER).contains(&ms))
+        {
+            return Err(HostError::InvalidSetting {
+                setting: "clock_start_ms",
+                rule: "must be a non-negative safe integer of milliseconds",
+            });
+        }
         std::fs::create_dir_all(&self.data_dir).map_err(|e| HostError::Io {
             path: self.data_dir.clone(),
             message: e.to_string(),
@@ -195,7 +214,7 @@ impl HostBuilder {
             data_dir: self.data_dir.clone(),
             synchronous: self.synchronous,
             idle_timeout: self.idle_timeout,
-            clock: Clock::start(),
+            clock: Clock::start(self.clock_start_ms),
             index,
             work: Arc::new(WorkTracker::default()),
             live: AtomicUsize::new(0),
@@ -356,6 +375,11 @@ impl Host {
     /// The data directory.
     pub fn data_dir(&self) -> &Path {
         &self.shared.core.data_dir
+    }
+
+    /// The database file of object `id`: derived from the id only.
+    pub fn object_file(&self, id: &ObjectId) -> PathBuf {
+        object_path(&self.shared.core.data_dir, id)
     }
 
     fn send(&self, id: &ObjectId, job: Job) -> Result<(), HostError> {

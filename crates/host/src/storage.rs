@@ -110,7 +110,13 @@ impl ObjectStorage {
             .map_err(storage_error)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
         let recorded = setup(&conn, &id, &namespace, name)?;
-        let indexed = index.get(&id)?;
+        let mut indexed = index.get(&id)?;
+        if indexed != recorded.alarm {
+            // The file is the truth: a crash between the two commits (or a
+            // lost index) left the index early or stale; make it exact.
+            index.set(&id, &namespace, recorded.alarm)?;
+            indexed = recorded.alarm;
+        }
         let storage = ObjectStorage {
             conn: RefCell::new(Some(conn)),
             id,

@@ -1,0 +1,325 @@
+//! The object's one alarm: delivery, persistence across hosts, retries.
+
+mod support;
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use durability_host::{AlarmInfo, BoxError, DurableObject, Host, ObjectContext};
+use durability_platform::{Context, StorageExt};
+use support::{Notes, inline_host, local, notes};
+
+const HOUR_MS: i64 = 3_600_000;
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_fires_at_its_time_and_is_then_cleared() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("a").unwrap();
+        let at = host.now_ms() + 10_000;
+        stub.call(move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        let log = stub
+            .call(|o: Rc<Notes>| async move { o.alarm_log() })
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(log.is_empty());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (log, alarm) = stub
+            .call(|o: Rc<Notes>| async move { (o.alarm_log().unwrap(), o.alarm().await.unwrap()) })
+            .await
+            .unwrap();
+        assert_eq!(log, vec![(at, 0)]);
+        assert_eq!(alarm, None);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_in_the_past_fires_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("past").unwrap();
+        let now = host.now_ms();
+        stub.call(
+            move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(now - HOUR_MS).await },
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let log = stub
+            .call(|o: Rc<Notes>| async move { o.alarm_log() })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(log, vec![(now, 0)]);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_survives_a_new_host_on_the_same_directory_and_fires() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("durable").unwrap();
+        let at = host.now_ms() + HOUR_MS;
+        stub.call(move |o: Rc<Notes>| async move { o.add_with_alarm("armed", at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+        at
+    })
+    .await;
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(at - 1_000)
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        // Nothing calls the object: the index alone wakes it.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(host.live_objects(), 1, "the alarm constructed the object");
+        let stub = notes.stub("durable").unwrap();
+        let log = stub
+            .call(|o: Rc<Notes>| async move { o.alarm_log() })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(log, vec![(at, 0)]);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_that_fell_due_while_no_host_ran_fires_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("overdue").unwrap();
+        let at = host.now_ms() + 60_000;
+        stub.call(move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+        at
+    })
+    .await;
+    let restart_ms = at + 24 * HOUR_MS;
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(restart_ms)
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let log = notes
+            .stub("overdue")
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.alarm_log() })
+            .await
+            .unwrap()
+            .unwrap();
+        // Delivered at the host's first instant, not a moment later.
+        assert_eq!(log, vec![(restart_ms, 0)]);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_alarm_is_retried_at_2_4_8_seconds_and_stops_after_6_retries() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .idle_timeout(Duration::from_secs(24 * 3600))
+            .build()
+            .unwrap();
+        let stub = notes(&host).stub("failing").unwrap();
+        let at = host.now_ms() + 1_000;
+        stub.call(move |o: Rc<Notes>| async move {
+            *o.failing_alarms.borrow_mut() = u32::MAX;
+            o.ctx.storage().set_alarm(at).await
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let (log, infos, alarm) = stub
+            .call(|o: Rc<Notes>| async move {
+                (
+                    o.alarm_log().unwrap(),
+                    o.alarms.borrow().clone(),
+                    o.alarm().await.unwrap(),
+                )
+            })
+            .await
+            .unwrap();
+        let offsets: Vec<i64> = log.iter().map(|(t, _)| t - at).collect();
+        assert_eq!(
+            offsets,
+            vec![0, 2_000, 6_000, 14_000, 30_000, 62_000, 126_000]
+        );
+        let expected: Vec<AlarmInfo> = (0..=6)
+            .map(|retry_count| AlarmInfo {
+                retry_count,
+                is_retry: retry_count > 0,
+            })
+            .collect();
+        assert_eq!(infos, expected);
+        assert_eq!(alarm, None, "the alarm is dropped after its last retry");
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retried_alarm_that_succeeds_is_cleared() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("recovers").unwrap();
+        let at = host.now_ms();
+        stub.call(move |o: Rc<Notes>| async move {
+            *o.failing_alarms.borrow_mut() = 2;
+            o.ctx.storage().set_alarm(at).await
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let (log, alarm) = stub
+            .call(|o: Rc<Notes>| async move { (o.alarm_log().unwrap(), o.alarm().await.unwrap()) })
+            .await
+            .unwrap();
+        assert_eq!(log, vec![(at, 0), (at + 2_000, 1), (at + 6_000, 2)]);
+        assert_eq!(alarm, None);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+/// An object whose alarm handler looks at the alarm and re-arms it once.
+struct Rearming {
+    ctx: ObjectContext,
+    seen: std::cell::RefCell<Vec<Option<i64>>>,
+}
+
+impl DurableObject for Rearming {
+    async fn alarm(&self, _info: AlarmInfo) -> Result<(), BoxError> {
+        let storage = self.ctx.storage();
+        let before = storage.get_alarm().await?;
+        let in_txn = storage.transaction(|txn| txn.get_alarm()).await?;
+        self.seen.borrow_mut().push(before);
+        self.seen.borrow_mut().push(in_txn);
+        if self.seen.borrow().len() == 2 {
+            storage.set_alarm(self.ctx.now_ms() + 5_000).await?;
+            self.seen.borrow_mut().push(storage.get_alarm().await?);
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_firing_alarm_is_not_reported_while_its_handler_runs_and_a_new_one_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(1_000_000)
+            .build()
+            .unwrap();
+        let ns = host
+            .namespace("rearming", |ctx| {
+                Ok(Rearming {
+                    ctx,
+                    seen: Default::default(),
+                })
+            })
+            .unwrap();
+        let stub = ns.stub("r").unwrap();
+        stub.call(|o: Rc<Rearming>| async move { o.ctx.storage().set_alarm(1_001_000).await })
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (seen, alarm) = stub
+            .call(|o: Rc<Rearming>| async move {
+                (
+                    o.seen.borrow().clone(),
+                    o.ctx.storage().get_alarm().await.unwrap(),
+                )
+            })
+            .await
+            .unwrap();
+        assert_eq!(seen, vec![None, None, Some(1_006_000)]);
+        assert_eq!(alarm, Some(1_006_000), "the alarm the handler set stays");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let (seen, alarm) = stub
+            .call(|o: Rc<Rearming>| async move {
+                (
+                    o.seen.borrow().clone(),
+                    o.ctx.storage().get_alarm().await.unwrap(),
+                )
+            })
+            .await
+            .unwrap();
+        assert_eq!(seen.len(), 5, "the re-armed alarm fired once more");
+        assert_eq!(alarm, None);
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn alarms_of_a_namespace_registered_after_start_wait_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let at = local(async {
+        let host = inline_host(dir.path());
+        let stub = notes(&host).stub("late").unwrap();
+        let at = host.now_ms() + 1_000;
+        stub.call(move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+        at
+    })
+    .await;
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(at + 10_000)
+            .build()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(host.live_objects(), 0);
+        let notes = notes(&host);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let log = notes
+            .stub("late")
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.alarm_log() })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(log.len(), 1);
+        host.shutdown().await;
+    })
+    .await;
+}
