@@ -408,6 +408,11 @@ pub enum DurabilityError {
     /// A registration committed but its row cannot be read back.
     #[error("Durable call \"{id}\" was not persisted")]
     NotPersisted { id: String },
+    /// Background work of the scheduler ended before it reported, which
+    /// happens when the object is evicted or the host shuts down mid-run.
+    /// Nothing is lost: the persisted work runs again from the alarm.
+    #[error("the scheduler's background work was interrupted (eviction or shutdown)")]
+    Interrupted,
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },

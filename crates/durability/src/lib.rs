@@ -7,10 +7,18 @@
 
 pub use durability_platform as platform;
 
+pub mod alarms;
 pub mod codec;
 pub mod error;
 pub mod lifecycle;
 pub mod memo;
 pub mod migrations;
+pub mod operations;
 pub mod record;
 pub mod retry;
+pub mod scheduler;
+
+pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
+pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+pub use operations::{DurableCall, OperationResult, Operations, OperationsBuilder, Registration};
+pub use scheduler::{AbortSignal, AlarmRetryInfo, Scheduler, SchedulerBuilder};

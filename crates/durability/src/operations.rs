@@ -1,0 +1,737 @@
+//! Durable operations: effectively-once handlers keyed by a caller-chosen id.
+//!
+//! Registration returns once the row and the alarm reconcile have committed
+//! together; the handler then runs eagerly (when a permit is free), from the
+//! in-memory timer or from the physical alarm, with retries, and its result
+//! is read later. Execution is at least once (a crash after a side effect
+//! runs the handler again), registration and result exactly once: an id is
+//! deduplicated for as long as its row is kept, which is until it is purged.
+//!
+//! Owns the `durability_calls` table; all its SQL is in this module.
+//!
+//! Decisions where the reference is silent or JavaScript-specific:
+//! - Handler names cannot collide with methods in Rust, so no name is
+//!   reserved; an empty name is rejected at construction.
+//! - There is no private-scheduler mode: a helper always attaches to a
+//!   [`Scheduler`], which makes the unsupported "two engines on one object"
+//!   set-up impossible to build.
+//! - Lookups of one id need no chaining: the row read, the active-map check
+//!   and the registration of a new execution run with no await between them,
+//!   so two callers on the object's one thread cannot both miss the map.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
+
+use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageError, params};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::codec;
+use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::memo::{MEMO_MIGRATIONS, Memo};
+use crate::migrations::{self, MigrationReport, MigrationTarget, OPERATIONS_MIGRATIONS};
+use crate::record::{AttemptRef, DurableTable};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
+use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
+
+/// The record table of operations.
+pub const CALLS: DurableTable = DurableTable {
+    name: "durability_calls",
+    key: "id",
+};
+
+/// Most due rows one pass reads; the end-of-run reconcile re-arms an
+/// immediate timer for the rest, so a backlog drains in passes.
+const DUE_BATCH: i64 = 100;
+
+/// What a handler receives for one attempt.
+pub struct DurableCall<P> {
+    /// The idempotency id the operation was registered with.
+    pub id: String,
+    /// The handler name.
+    pub operation: String,
+    /// The registered payload.
+    pub payload: P,
+    /// This attempt's number, from 1.
+    pub attempt: u32,
+    /// Aborts at the attempt's timeout or when the record is purged.
+    pub signal: AbortSignal,
+    /// Persists a step's result so a retried attempt reuses it.
+    pub memo: Memo,
+}
+
+type ErasedHandler = Rc<dyn Fn(CallInput) -> LocalBoxFuture<'static, Result<Output, HandlerError>>>;
+
+struct CallInput {
+    id: String,
+    operation: String,
+    payload: String,
+    attempt: u32,
+    signal: AbortSignal,
+    memo: Memo,
+}
+
+/// The state of one operation, as [`Operations::result`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OperationResult<R> {
+    /// No operation was registered with this id (or it was purged).
+    NotFound,
+    /// Registered and not finished: running, or waiting for a retry.
+    Pending {
+        /// Attempts claimed so far.
+        attempt: u32,
+        /// When the next attempt is due.
+        next_attempt_at: EpochMs,
+        /// The message of the last failure, if any.
+        last_error: Option<String>,
+    },
+    /// Failed for good.
+    Failed {
+        attempt: u32,
+        error: SerializedError,
+    },
+    /// Completed with this result.
+    Completed { result: R },
+}
+
+/// Whether a registration created the operation or found it already there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Registration {
+    /// A new operation was stored and will run.
+    Created,
+    /// The id was already registered for this operation (whatever its
+    /// status or payload): nothing was written and nothing starts.
+    Existing,
+}
+
+/// Configures [`Operations`].
+pub struct OperationsBuilder {
+    scheduler: Scheduler,
+    handlers: HashMap<String, ErasedHandler>,
+    policy: PolicyOptions,
+    include_result: bool,
+    hooks: Vec<LifecycleHook>,
+}
+
+impl OperationsBuilder {
+    /// Registers the handler of the operation `name`: it receives the
+    /// decoded payload and returns a result that is stored as JSON.
+    pub fn handler<P, R, F, Fut>(mut self, name: &str, handler: F) -> Self
+    where
+        P: DeserializeOwned + 'static,
+        R: Serialize + 'static,
+        F: Fn(DurableCall<P>) -> Fut + 'static,
+        Fut: Future<Output = Result<R, HandlerError>> + 'static,
+    {
+        let erased: ErasedHandler = Rc::new(move |input: CallInput| {
+            // A payload that no longer decodes is an ordinary, retryable
+            // failure: a fixed deployment may read it.
+            let payload = match codec::decode_as::<P>(&input.payload) {
+                Ok(payload) => payload,
+                Err(error) => {
+                    return Box::pin(std::future::ready(Err(HandlerError::from(error))))
+                        as LocalBoxFuture<'static, _>;
+                }
+            };
+            let running = handler(DurableCall {
+                id: input.id,
+                operation: input.operation,
+                payload,
+                attempt: input.attempt,
+                signal: input.signal,
+                memo: input.memo,
+            });
+            Box::pin(async move {
+                let result = running.await?;
+                Ok(Output::Encoded(codec::encode(&result)))
+            })
+        });
+        self.handlers.insert(name.to_owned(), erased);
+        self
+    }
+
+    /// Attempts per registration, the first included. Default 5.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.policy = self.policy.max_attempts(attempts);
+        self
+    }
+
+    /// How long one attempt may run before it is abandoned. Default 5 min.
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.policy = self.policy.attempt_timeout_ms(ms);
+        self
+    }
+
+    /// The delay before each retry. Default: equal jitter over exponential
+    /// backoff from 1 s up to 5 min.
+    pub fn retry_delay(mut self, delay: Delay) -> Self {
+        self.policy = self.policy.delay(delay);
+        self
+    }
+
+    /// Overrides the policy of one operation, field by field.
+    pub fn method(mut self, name: &str, policy: MethodPolicy) -> Self {
+        self.policy = self.policy.method(name, policy);
+        self
+    }
+
+    /// Puts each completed result into the `attempt_settled` event. Off by
+    /// default, to keep results out of telemetry.
+    pub fn include_result(mut self, on: bool) -> Self {
+        self.include_result = on;
+        self
+    }
+
+    /// Adds a lifecycle hook (best effort, never changes state).
+    pub fn on_lifecycle_event(mut self, hook: LifecycleHook) -> Self {
+        self.hooks.push(hook);
+        self
+    }
+
+    /// Validates the policy, migrates the schema and attaches to the
+    /// scheduler.
+    pub fn build(self) -> Result<Operations, DurabilityError> {
+        let policies = self.policy.validate()?;
+        if self.handlers.keys().any(String::is_empty) {
+            return Err(ConfigError::NotPositive {
+                field: "handler name length".into(),
+            }
+            .into());
+        }
+        let engine = Rc::clone(&self.scheduler.engine);
+        let emitter = Emitter::new(Rc::clone(&engine.ctx));
+        for hook in self.hooks {
+            emitter.add(hook).keep();
+        }
+        engine.migrate_schema("operations", OPERATIONS_MIGRATIONS)?;
+        engine.migrate_schema("memos", MEMO_MIGRATIONS)?;
+        let inner = Rc::new(Inner {
+            engine: Rc::clone(&engine),
+            handlers: self.handlers,
+            policies,
+            include_result: self.include_result,
+            emitter,
+            active: ActiveMap::default(),
+        });
+        let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
+        engine.register(CALLS, Rc::downgrade(&participant))?;
+        Ok(Operations { inner })
+    }
+}
+
+/// Durable operations of one object. Cloning is one reference-count
+/// increment.
+///
+/// ```no_run
+/// # use std::rc::Rc;
+/// use durability::{Operations, Scheduler, HandlerError, OperationResult};
+///
+/// # async fn demo(ctx: Rc<dyn durability_platform::Context>) -> Result<(), Box<dyn std::error::Error>> {
+/// let scheduler = Scheduler::new(ctx)?;
+/// let operations = Operations::builder(&scheduler)
+///     .handler("charge", |call: durability::DurableCall<u64>| async move {
+///         // charge call.payload cents, idempotently keyed by call.id
+///         Ok::<_, HandlerError>(format!("receipt for {}", call.payload))
+///     })
+///     .build()?;
+///
+/// operations.start("charge", "order-17", &1_250_u64).await?;
+/// // ... later, or after a restart:
+/// match operations.result::<String>("charge", "order-17")? {
+///     OperationResult::Completed { result } => println!("{result}"),
+///     other => println!("not yet: {other:?}"),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Operations {
+    inner: Rc<Inner>,
+}
+
+struct Inner {
+    engine: Rc<Engine>,
+    handlers: HashMap<String, ErasedHandler>,
+    policies: Policies,
+    include_result: bool,
+    emitter: Emitter,
+    active: ActiveMap,
+}
+
+/// The columns every read of one call row selects, in this order.
+const CALL_COLUMNS: &str = "id, operation, payload, status, result, attempt, next_attempt_at, \
+     last_error, last_error_name, generation_id, created_at";
+
+struct CallRow {
+    id: String,
+    operation: String,
+    payload: String,
+    status: String,
+    result: Option<String>,
+    attempt: u32,
+    next_attempt_at: EpochMs,
+    last_error: Option<String>,
+    last_error_name: Option<String>,
+    generation: String,
+    created_at: EpochMs,
+}
+
+impl CallRow {
+    fn read(sql: &dyn Sql, id: &str) -> Result<Option<CallRow>, DurabilityError> {
+        let query = format!("SELECT {CALL_COLUMNS} FROM durability_calls WHERE id = ?");
+        match sql.query_row(&query, &params![id])? {
+            None => Ok(None),
+            Some(row) => CallRow::decode(&row, id).map(Some),
+        }
+    }
+
+    fn decode(row: &Row, key: &str) -> Result<CallRow, DurabilityError> {
+        let decoded = (|| -> Result<CallRow, StorageError> {
+            Ok(CallRow {
+                id: row.get(0)?,
+                operation: row.get(1)?,
+                payload: row.get(2)?,
+                status: row.get(3)?,
+                result: row.get(4)?,
+                attempt: row.get(5)?,
+                next_attempt_at: row.get(6)?,
+                last_error: row.get(7)?,
+                last_error_name: row.get(8)?,
+                generation: row.get(9)?,
+                created_at: row.get(10)?,
+            })
+        })();
+        decoded.map_err(|error| DurabilityError::Decode {
+            table: CALLS.name,
+            key: key.to_owned(),
+            detail: error.to_string(),
+        })
+    }
+}
+
+impl Operations {
+    /// Starts configuring the operations of the object behind `scheduler`.
+    pub fn builder(scheduler: &Scheduler) -> OperationsBuilder {
+        OperationsBuilder {
+            scheduler: scheduler.clone(),
+            handlers: HashMap::new(),
+            policy: PolicyOptions::default(),
+            include_result: false,
+            hooks: Vec::new(),
+        }
+    }
+
+    /// Registers operation `operation` under the idempotency `id`. Returns
+    /// once the row and the alarm have committed; never waits for the
+    /// handler. An id already registered for this operation writes nothing.
+    pub async fn start<P: Serialize + ?Sized>(
+        &self,
+        operation: &str,
+        id: &str,
+        payload: &P,
+    ) -> Result<Registration, DurabilityError> {
+        let inner = &self.inner;
+        let payload = codec::encode(payload)?;
+        let engine = &inner.engine;
+        let now = engine.now();
+        let generation = engine.new_generation();
+        let insert = "INSERT INTO durability_calls \
+             (id, operation, payload, status, result, attempt, next_attempt_at, last_error, \
+              last_error_name, completed_at, generation_id, created_at) \
+             VALUES (?, ?, ?, 'pending', NULL, 0, ?, NULL, NULL, NULL, ?, ?) \
+             ON CONFLICT(id) DO NOTHING";
+        let inserted = engine
+            .transaction(|sql| {
+                let inserted = sql.execute(
+                    insert,
+                    &params![
+                        id,
+                        operation,
+                        payload.as_str(),
+                        now,
+                        generation.as_str(),
+                        now
+                    ],
+                )? == 1;
+                let Some(row) = CallRow::read(sql, id)? else {
+                    return Err(DurabilityError::NotPersisted { id: id.to_owned() });
+                };
+                if row.operation != operation {
+                    return Err(DurabilityError::DuplicateCall {
+                        id: id.to_owned(),
+                        existing: row.operation,
+                        requested: operation.to_owned(),
+                    });
+                }
+                Ok(inserted)
+            })
+            .await?;
+        if !inserted {
+            return Ok(Registration::Existing);
+        }
+        inner.emitter.emit(&LifecycleEvent::Registered {
+            entity: Entity::Operation {
+                operation: operation.to_owned(),
+                id: id.to_owned(),
+                generation,
+            },
+            timestamp: now,
+        });
+        // Eager start only when a permit is free right now; otherwise the
+        // timer armed by the commit queues for one.
+        if let Some(permit) = engine.try_acquire_permit() {
+            let run = Rc::clone(inner);
+            let operation = operation.to_owned();
+            let id = id.to_owned();
+            engine.ctx.wait_until(Box::pin(async move {
+                if let Err(error) = run.execute(&id, Some(permit)).await {
+                    tracing::error!(
+                        event = "durability.background_execution.failed",
+                        operation = %operation,
+                        id = %id,
+                        %error,
+                        "eager operation start failed"
+                    );
+                }
+                if let Err(error) = run.engine.schedule_next_alarm().await {
+                    tracing::error!(
+                        event = "durability.background_execution.failed",
+                        operation = %operation,
+                        id = %id,
+                        %error,
+                        "re-arming after an eager start failed"
+                    );
+                }
+            }));
+        }
+        Ok(Registration::Created)
+    }
+
+    /// Reads the state of operation `operation` registered under `id`.
+    /// Never changes anything.
+    pub fn result<R: DeserializeOwned>(
+        &self,
+        operation: &str,
+        id: &str,
+    ) -> Result<OperationResult<R>, DurabilityError> {
+        let Some(row) = CallRow::read(self.inner.engine.sql(), id)? else {
+            return Ok(OperationResult::NotFound);
+        };
+        result_of(row, operation)
+    }
+
+    /// Waits up to `timeout` for the operation to settle (complete, fail for
+    /// good, or be purged), then returns its state. In memory only: a wait
+    /// does not survive eviction, and a zero timeout just reads.
+    pub async fn wait<R: DeserializeOwned>(
+        &self,
+        operation: &str,
+        id: &str,
+        timeout: Duration,
+    ) -> Result<OperationResult<R>, DurabilityError> {
+        let engine = &self.inner.engine;
+        let Some(row) = CallRow::read(engine.sql(), id)? else {
+            return Ok(OperationResult::NotFound);
+        };
+        if row.status != "pending" || timeout.is_zero() || row.operation != operation {
+            return result_of(row, operation);
+        }
+        let generation = row.generation;
+        let woken = Rc::new(tokio::sync::Notify::new());
+        let listener = {
+            let woken = Rc::clone(&woken);
+            Rc::new(move |_: Option<&crate::scheduler::SettledRow>| woken.notify_one())
+        };
+        // Subscribe first, then re-read, so a settlement in between is seen.
+        let _guard = engine.watch(CALLS, id, listener);
+        let deadline = engine.ctx.sleep(timeout);
+        futures::pin_mut!(deadline);
+        loop {
+            match CallRow::read(engine.sql(), id)? {
+                Some(row) if row.status == "pending" && row.generation == generation => {}
+                Some(row) => return result_of(row, operation),
+                None => return Ok(OperationResult::NotFound),
+            }
+            let notified = woken.notified();
+            futures::pin_mut!(notified);
+            if let futures::future::Either::Right(_) =
+                futures::future::select(notified, deadline.as_mut()).await
+            {
+                return self.result(operation, id);
+            }
+        }
+    }
+
+    /// Deletes every operation (any status) registered before `before`
+    /// (epoch ms) and aborts their running attempts; returns how many were
+    /// deleted. A purged id can be registered again at once.
+    pub async fn purge_before(&self, before: EpochMs) -> Result<u64, DurabilityError> {
+        let inner = &self.inner;
+        let count = inner
+            .engine
+            .purge(CALLS, before, &inner.active, "Durable operation was purged")
+            .await?;
+        inner.emitter.emit(&LifecycleEvent::Purged {
+            entity_kind: EntityKind::Operation,
+            timestamp: inner.engine.now(),
+            before,
+            count,
+        });
+        Ok(count)
+    }
+
+    /// Runs due work of every capability on the scheduler (the same as
+    /// [`Scheduler::alarm`]).
+    pub async fn alarm(&self, info: Option<AlarmInfo>) -> Result<(), DurabilityError> {
+        self.inner.engine.alarm(info).await
+    }
+
+    /// Migrates the operations schema of `storage` to `target` explicitly.
+    pub fn migrate(
+        storage: &dyn durability_platform::Storage,
+        target: MigrationTarget,
+    ) -> Result<MigrationReport, DurabilityError> {
+        let report = migrations::migrate(storage, "operations", OPERATIONS_MIGRATIONS, target)?;
+        crate::memo::delete_memos_of_dropped_table(storage, CALLS)?;
+        Ok(report)
+    }
+}
+
+fn result_of<R: DeserializeOwned>(
+    row: CallRow,
+    operation: &str,
+) -> Result<OperationResult<R>, DurabilityError> {
+    if row.operation != operation {
+        return Err(DurabilityError::DuplicateCall {
+            id: row.id,
+            existing: row.operation,
+            requested: operation.to_owned(),
+        });
+    }
+    match row.status.as_str() {
+        "pending" => Ok(OperationResult::Pending {
+            attempt: row.attempt,
+            next_attempt_at: row.next_attempt_at,
+            last_error: row.last_error,
+        }),
+        "failed" => Ok(OperationResult::Failed {
+            attempt: row.attempt,
+            error: SerializedError::new(
+                row.last_error_name.unwrap_or_else(|| "Error".into()),
+                row.last_error
+                    .unwrap_or_else(|| "Durable operation failed".into()),
+            ),
+        }),
+        "completed" => {
+            let Some(text) = row.result else {
+                return Err(DurabilityError::CompletedWithoutResult { id: row.id });
+            };
+            let result = codec::decode_as::<R>(&text).map_err(|error| DurabilityError::Decode {
+                table: CALLS.name,
+                key: row.id.clone(),
+                detail: error.to_string(),
+            })?;
+            Ok(OperationResult::Completed { result })
+        }
+        other => Err(DurabilityError::Decode {
+            table: CALLS.name,
+            key: row.id,
+            detail: format!("unknown status {other:?}"),
+        }),
+    }
+}
+
+impl Inner {
+    /// Runs the pending generation of `id` unless this instance already
+    /// runs it. Ownership of `eager_permit` passes to the execution; when
+    /// none starts, the permit is released on return.
+    async fn execute(
+        self: &Rc<Self>,
+        id: &str,
+        eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<(), DurabilityError> {
+        let Some(row) = CallRow::read(self.engine.sql(), id)? else {
+            return Ok(());
+        };
+        if row.status != "pending" {
+            return Ok(());
+        }
+        let running = self
+            .active
+            .borrow()
+            .get(id)
+            .filter(|active| active.generation == row.generation)
+            .map(|active| active.settled());
+        if let Some(settled) = running {
+            drop(eager_permit);
+            // Under live timers a due pass does not wait behind a running
+            // handler; its own settlement re-arms the timer.
+            if !self.engine.live_timers {
+                settled.await;
+            }
+            return Ok(());
+        }
+        let policy = self.policies.resolve(&row.operation);
+        let spec = ExecutionSpec {
+            table: CALLS,
+            key: row.id.clone(),
+            generation: row.generation.clone(),
+            created_at: row.created_at,
+            label: format!("operation \"{}\"", row.operation),
+            entity: Entity::Operation {
+                operation: row.operation.clone(),
+                id: row.id.clone(),
+                generation: row.generation.clone(),
+            },
+            active: self.active.clone(),
+            policy: policy.clone(),
+            emitter: self.emitter.clone(),
+            include_result: self.include_result,
+            kind: Rc::new(OperationAttempt {
+                inner: Rc::downgrade(self),
+                id: row.id,
+                operation: row.operation,
+                payload: row.payload,
+                generation: row.generation,
+                max_attempts: policy.max_attempts,
+                attempt_timeout_ms: policy.attempt_timeout_ms,
+            }),
+        };
+        self.engine.start_execution(spec, eager_permit).await
+    }
+}
+
+impl Participant for Inner {
+    fn table(&self) -> DurableTable {
+        CALLS
+    }
+
+    fn run_due(
+        self: Rc<Self>,
+        now: EpochMs,
+        _info: Option<AlarmInfo>,
+    ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
+        Box::pin(async move {
+            // Covered by durability_calls_pending_idx (status, next_attempt_at).
+            let rows = self.engine.sql().query(
+                "SELECT id FROM durability_calls WHERE status = 'pending' AND next_attempt_at <= ? \
+                 ORDER BY next_attempt_at ASC LIMIT ?",
+                &params![now, DUE_BATCH],
+            )?;
+            let mut ids = Vec::with_capacity(rows.len());
+            for row in &rows {
+                ids.push(row.get::<String>(0)?);
+            }
+            let this = &self;
+            let results = self
+                .engine
+                .run_concurrent(ids, |id| async move {
+                    let outcome = this.execute(&id, None).await;
+                    (id, outcome)
+                })
+                .await;
+            // One failing operation must not hold back the others: its
+            // record stays pending and the next pass retries it.
+            for (id, outcome) in results {
+                if let Err(error) = outcome {
+                    tracing::error!(id = %id, %error, "operation execution failed");
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+struct OperationAttempt {
+    inner: Weak<Inner>,
+    id: String,
+    operation: String,
+    payload: String,
+    generation: String,
+    max_attempts: u32,
+    attempt_timeout_ms: u64,
+}
+
+impl AttemptKind for OperationAttempt {
+    fn exhausted_error(&self) -> HandlerError {
+        HandlerError::attempts_exhausted("operation", &self.operation, self.max_attempts)
+    }
+
+    fn timeout_error(&self) -> HandlerError {
+        HandlerError::attempt_timeout(&self.operation, self.attempt_timeout_ms)
+    }
+
+    fn invoke(
+        &self,
+        attempt: u32,
+        signal: AbortSignal,
+    ) -> LocalBoxFuture<'static, Result<Output, HandlerError>> {
+        let Some(inner) = self.inner.upgrade() else {
+            return Box::pin(std::future::ready(Err(HandlerError::new(
+                "the operations helper was dropped",
+            ))));
+        };
+        let Some(handler) = inner.handlers.get(&self.operation).cloned() else {
+            return Box::pin(std::future::ready(Err(HandlerError::no_operation_handler(
+                &self.operation,
+            ))));
+        };
+        let memo = Memo::new(
+            Rc::clone(&inner.engine.ctx),
+            CALLS,
+            AttemptRef {
+                key: self.id.clone(),
+                generation: self.generation.clone(),
+                attempt,
+            },
+        );
+        handler(CallInput {
+            id: self.id.clone(),
+            operation: self.operation.clone(),
+            payload: self.payload.clone(),
+            attempt,
+            signal,
+            memo,
+        })
+    }
+
+    fn complete(
+        &self,
+        sql: &dyn Sql,
+        output: &Output,
+        attempt: u32,
+        now: EpochMs,
+    ) -> Result<Option<EpochMs>, HandlerError> {
+        let encoded = match output {
+            Output::Encoded(Ok(text)) => text.clone(),
+            Output::Encoded(Err(cause)) => {
+                return Err(HandlerError::result_serialization(
+                    &self.operation,
+                    HandlerError::from(cause.clone()),
+                ));
+            }
+            Output::Unit => codec::encode_value(None)?,
+        };
+        let owned = crate::record::update_attempt(
+            sql,
+            CALLS,
+            &AttemptRef {
+                key: self.id.clone(),
+                generation: self.generation.clone(),
+                attempt,
+            },
+            "status = 'completed', result = ?, last_error = NULL, last_error_name = NULL, \
+             completed_at = ?",
+            &params![encoded, now],
+        )?;
+        Ok(owned.then_some(now))
+    }
+
+    fn is_terminal(&self, error: &HandlerError) -> bool {
+        error.kind() == Some(crate::error::LibraryErrorKind::ResultSerialization)
+    }
+}

@@ -1,0 +1,905 @@
+//! The scheduler: one physical alarm, one FIFO concurrency pool and one
+//! in-memory early timer, shared by every capability of an object.
+//!
+//! An object has exactly one alarm. If every capability reconciled it against
+//! only its own tables they would clobber each other, so capabilities attach
+//! to one [`Scheduler`] as *participants* and the scheduler alone reads and
+//! writes the alarm: capabilities get SQL from it, never the storage handle,
+//! so none can set the alarm behind its back.
+//!
+//! What it owns:
+//! - the reconcile of the physical alarm, run inside the same storage
+//!   transaction as every write that changes pending work (so a crash can
+//!   never leave pending work without an alarm);
+//! - the early timer, armed only after a commit, that runs work due sooner
+//!   than the alarm's minimum delay from memory;
+//! - the permit pool shared by eager starts, timer runs and alarm runs;
+//! - the alarm run itself, with a handoff before the platform's wall-time
+//!   limit and a fallback alarm of its own when a run fails (the platform
+//!   drops an alarm after a few failed deliveries, which would strand work);
+//! - the attempt lifecycle ([`attempt`]) and settlement watchers.
+//!
+//! It must not know what a record *means*: operations, named alarms and
+//! fanout say that through [`Participant`] and [`attempt::AttemptKind`].
+
+pub(crate) mod attempt;
+mod signal;
+
+pub use signal::AbortSignal;
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::rc::{Rc, Weak};
+use std::sync::Arc;
+use std::time::Duration;
+
+use durability_platform::{
+    AlarmInfo, Context, EpochMs, LocalBoxFuture, MAX_TIMER_MS, Sql, StorageError, StorageExt,
+    Transaction, Value, params,
+};
+use futures::FutureExt;
+use futures::future::{AbortHandle, Abortable, Either, Shared};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
+
+use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+use crate::migrations::{self, Migration, MigrationTarget};
+use crate::record::DurableTable;
+
+/// Default number of handlers that may run at once on one scheduler.
+pub const DEFAULT_ALARM_CONCURRENCY: usize = 10;
+/// Default (and largest) minimum distance of the physical alarm from now.
+pub const DEFAULT_ALARM_MIN_DELAY: Duration = Duration::from_millis(15_000);
+/// Smallest allowed minimum distance of the physical alarm from now.
+pub const MIN_ALARM_MIN_DELAY: Duration = Duration::from_millis(1_000);
+/// Largest allowed minimum distance of the physical alarm from now.
+pub const MAX_ALARM_MIN_DELAY: Duration = Duration::from_millis(15_000);
+/// Default time after which a running alarm hands unfinished work to a new
+/// alarm: one minute inside the platform's 15-minute wall-time limit.
+pub const DEFAULT_ALARM_HANDOFF: Duration = Duration::from_millis(14 * 60_000);
+
+/// Details of a failed alarm run, handed to the `on_alarm_retry` hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AlarmRetryInfo {
+    /// What failed.
+    pub error: SerializedError,
+    /// Delay until the re-armed fallback alarm fires.
+    pub retry_in_ms: u64,
+    /// The platform's retry count of the failed invocation, when the run came
+    /// from the physical alarm (timer runs have none).
+    pub retry_count: Option<u32>,
+    /// Whether the platform marked the failed invocation as a retry.
+    pub is_retry: Option<bool>,
+    /// The owning object's id.
+    pub object_id: Option<String>,
+}
+
+/// A hook called after a failed alarm run re-armed its own fallback alarm.
+/// A returned future runs in the background; its error is only logged.
+pub type AlarmRetryHook =
+    Rc<dyn Fn(&AlarmRetryInfo) -> Option<LocalBoxFuture<'static, Result<(), HandlerError>>>>;
+
+/// Configures a [`Scheduler`]; every option has a validated default.
+pub struct SchedulerBuilder {
+    ctx: Rc<dyn Context>,
+    alarm_concurrency: usize,
+    alarm_min_delay: Duration,
+    alarm_handoff: Duration,
+    live_timers: bool,
+    on_alarm_retry: Option<AlarmRetryHook>,
+}
+
+impl SchedulerBuilder {
+    /// Maximum handlers running at once across eager starts, timer runs and
+    /// alarm runs. Default 10; at least 1.
+    pub fn alarm_concurrency(mut self, permits: usize) -> Self {
+        self.alarm_concurrency = permits;
+        self
+    }
+
+    /// The physical alarm is never set closer than this to now; nearer work
+    /// runs from the in-memory timer. Default 15 s; 1 s to 15 s, whole ms.
+    pub fn alarm_min_delay(mut self, delay: Duration) -> Self {
+        self.alarm_min_delay = delay;
+        self
+    }
+
+    /// Time after which a running alarm arms a new alarm for the work it has
+    /// not finished and returns. Default 14 min; 1 ms to 2^31-1 ms.
+    pub fn alarm_handoff(mut self, handoff: Duration) -> Self {
+        self.alarm_handoff = handoff;
+        self
+    }
+
+    /// Experimental: start due work from in-memory timers at its exact time,
+    /// however far out (up to 2^31-1 ms), and let newly due work run without
+    /// waiting behind long-running handlers. The physical alarm stays armed as
+    /// the eviction fallback. Default off.
+    pub fn live_timers(mut self, on: bool) -> Self {
+        self.live_timers = on;
+        self
+    }
+
+    /// Called each time an alarm run fails and the scheduler re-arms its own
+    /// fallback alarm; best effort, it can never change scheduling.
+    pub fn on_alarm_retry(mut self, hook: AlarmRetryHook) -> Self {
+        self.on_alarm_retry = Some(hook);
+        self
+    }
+
+    /// Validates the options and builds the scheduler.
+    pub fn build(self) -> Result<Scheduler, ConfigError> {
+        if self.alarm_concurrency == 0 {
+            return Err(ConfigError::NotPositive {
+                field: "alarm_concurrency".into(),
+            });
+        }
+        let min_delay_ms = self.alarm_min_delay.as_millis();
+        if self.alarm_min_delay < MIN_ALARM_MIN_DELAY
+            || self.alarm_min_delay > MAX_ALARM_MIN_DELAY
+            || !self
+                .alarm_min_delay
+                .subsec_nanos()
+                .is_multiple_of(1_000_000)
+        {
+            return Err(ConfigError::OutOfRange {
+                field: "alarm_min_delay (whole milliseconds)".into(),
+                min: 1_000,
+                max: 15_000,
+            });
+        }
+        let handoff_ms = self.alarm_handoff.as_millis();
+        if handoff_ms == 0 {
+            return Err(ConfigError::NotPositive {
+                field: "alarm_handoff".into(),
+            });
+        }
+        if handoff_ms > u128::from(MAX_TIMER_MS) {
+            return Err(ConfigError::AboveTimerLimit {
+                field: "alarm_handoff".into(),
+                value_ms: u64::try_from(handoff_ms).unwrap_or(u64::MAX),
+            });
+        }
+        // Both were range-checked above, so the conversions cannot fail.
+        let alarm_min_delay_ms = i64::try_from(min_delay_ms).unwrap_or(15_000);
+        let alarm_handoff_ms = u64::try_from(handoff_ms).unwrap_or(MAX_TIMER_MS);
+        let engine = Rc::new(Engine {
+            ctx: self.ctx,
+            alarm_concurrency: self.alarm_concurrency,
+            alarm_min_delay_ms,
+            alarm_handoff_ms,
+            live_timers: self.live_timers,
+            on_alarm_retry: self.on_alarm_retry,
+            participants: RefCell::new(Vec::new()),
+            migrated: RefCell::new(HashSet::new()),
+            permits: Arc::new(Semaphore::new(self.alarm_concurrency)),
+            refresh: RefCell::new(None),
+            early: RefCell::new(None),
+            next_id: Cell::new(0),
+            watchers: RefCell::new(HashMap::new()),
+            active_by_table: RefCell::new(HashMap::new()),
+        });
+        Ok(Scheduler { engine })
+    }
+}
+
+/// The public handle of an object's scheduler.
+///
+/// Build one per object, attach every capability of the object to it, and
+/// delegate the object's `alarm()` to [`Scheduler::alarm`]. Cloning is one
+/// reference-count increment.
+///
+/// ```
+/// use std::rc::Rc;
+/// use durability::Scheduler;
+/// use durability_platform::{AlarmInfo, Context};
+///
+/// struct Jobs {
+///     scheduler: Scheduler,
+/// }
+///
+/// impl Jobs {
+///     fn new(ctx: Rc<dyn Context>) -> Result<Self, durability::ConfigError> {
+///         let scheduler = Scheduler::builder(ctx).alarm_concurrency(4).build()?;
+///         Ok(Jobs { scheduler })
+///     }
+///
+///     // The object's alarm runs every attached capability's due work.
+///     async fn alarm(&self, info: AlarmInfo) -> Result<(), durability::DurabilityError> {
+///         self.scheduler.alarm(Some(info)).await
+///     }
+/// }
+/// # let _ = Jobs::new;
+/// # let _ = Jobs::alarm;
+/// ```
+#[derive(Clone)]
+pub struct Scheduler {
+    pub(crate) engine: Rc<Engine>,
+}
+
+impl Scheduler {
+    /// Starts configuring a scheduler for the object behind `ctx`.
+    pub fn builder(ctx: Rc<dyn Context>) -> SchedulerBuilder {
+        SchedulerBuilder {
+            ctx,
+            alarm_concurrency: DEFAULT_ALARM_CONCURRENCY,
+            alarm_min_delay: DEFAULT_ALARM_MIN_DELAY,
+            alarm_handoff: DEFAULT_ALARM_HANDOFF,
+            live_timers: false,
+            on_alarm_retry: None,
+        }
+    }
+
+    /// A scheduler with every option at its default.
+    pub fn new(ctx: Rc<dyn Context>) -> Result<Self, ConfigError> {
+        Scheduler::builder(ctx).build()
+    }
+
+    /// Runs the due work of every attached capability and re-arms the
+    /// physical alarm. Delegate the object's `alarm()` here.
+    ///
+    /// A failed run re-arms a fallback alarm of its own and returns `Ok`, so
+    /// the platform does not count a failure (it drops an alarm after a few);
+    /// this returns `Err` only when the fallback could not be armed either.
+    pub async fn alarm(&self, info: Option<AlarmInfo>) -> Result<(), DurabilityError> {
+        self.engine.alarm(info).await
+    }
+
+    /// The host's clock, in epoch milliseconds.
+    pub fn now_ms(&self) -> EpochMs {
+        self.engine.now()
+    }
+}
+
+impl fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("object", &self.engine.ctx.id().as_str())
+            .field("alarm_concurrency", &self.engine.alarm_concurrency)
+            .field("alarm_min_delay_ms", &self.engine.alarm_min_delay_ms)
+            .field("live_timers", &self.engine.live_timers)
+            .finish()
+    }
+}
+
+/// One record table attached to the scheduler: how to find and run its due
+/// work. The engine holds participants weakly: a capability that is dropped
+/// stops taking part.
+pub(crate) trait Participant {
+    /// The table whose records this participant owns; unique per scheduler.
+    fn table(&self) -> DurableTable;
+
+    /// Runs the work due at `now`. An error makes the alarm run fail (and
+    /// the fallback alarm take over); handler failures are outcomes, not
+    /// errors.
+    fn run_due(
+        self: Rc<Self>,
+        now: EpochMs,
+        info: Option<AlarmInfo>,
+    ) -> LocalBoxFuture<'static, Result<(), DurabilityError>>;
+
+    /// The earliest due time for tables without `status` and
+    /// `next_attempt_at` columns; `None` means "read those columns".
+    fn custom_next_pending_at(
+        &self,
+        _sql: &dyn Sql,
+    ) -> Option<Result<Option<EpochMs>, StorageError>> {
+        None
+    }
+
+    /// True while the participant keeps an alarm invocation open to run its
+    /// own work: its time then only arms the physical alarm, never the timer.
+    fn holding(&self) -> bool {
+        false
+    }
+}
+
+/// Called after a record may have settled; a completion passes the executed
+/// row because some tables delete it on success.
+pub(crate) type SettlementListener = Rc<dyn Fn(Option<&SettledRow>)>;
+
+/// The identity of a record generation whose attempt completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SettledRow {
+    pub generation: String,
+    pub created_at: EpochMs,
+}
+
+/// Removes its listener when dropped.
+pub(crate) struct WatchGuard {
+    engine: Weak<Engine>,
+    table: &'static str,
+    key: String,
+    id: u64,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        let Some(engine) = self.engine.upgrade() else {
+            return;
+        };
+        let mut watchers = engine.watchers.borrow_mut();
+        if let Some(by_key) = watchers.get_mut(self.table)
+            && let Some(listeners) = by_key.get_mut(&self.key)
+        {
+            listeners.retain(|(id, _)| *id != self.id);
+            if listeners.is_empty() {
+                by_key.remove(&self.key);
+            }
+        }
+    }
+}
+
+struct EarlyTimer {
+    at: EpochMs,
+    id: u64,
+    abort: AbortHandle,
+}
+
+type Refresh = Shared<LocalBoxFuture<'static, Result<(), StorageError>>>;
+
+/// The machinery behind [`Scheduler`]; crate-internal.
+pub(crate) struct Engine {
+    pub(crate) ctx: Rc<dyn Context>,
+    pub(crate) alarm_concurrency: usize,
+    alarm_min_delay_ms: EpochMs,
+    alarm_handoff_ms: u64,
+    pub(crate) live_timers: bool,
+    on_alarm_retry: Option<AlarmRetryHook>,
+    participants: RefCell<Vec<(DurableTable, Weak<dyn Participant>)>>,
+    migrated: RefCell<HashSet<&'static str>>,
+    // tokio's semaphore is fair: waiters are served in request order, and a
+    // permit is released exactly once, on drop.
+    permits: Arc<Semaphore>,
+    refresh: RefCell<Option<Refresh>>,
+    early: RefCell<Option<EarlyTimer>>,
+    next_id: Cell<u64>,
+    #[allow(clippy::type_complexity)] // table -> key -> listeners, read in one place
+    watchers: RefCell<HashMap<&'static str, HashMap<String, Vec<(u64, SettlementListener)>>>>,
+    // Keys whose attempt is executing, per table. Under live timers the
+    // in-memory timer skips them, so a still-due running row cannot drive a
+    // zero-delay timer loop.
+    active_by_table: RefCell<HashMap<&'static str, HashSet<String>>>,
+}
+
+impl Engine {
+    pub(crate) fn now(&self) -> EpochMs {
+        self.ctx.now_ms()
+    }
+
+    pub(crate) fn sql(&self) -> &dyn Sql {
+        self.ctx.storage()
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        let id = self.next_id.get().wrapping_add(1);
+        self.next_id.set(id);
+        id
+    }
+
+    /// A uniform sample in [0, 1) from the platform's randomness (jitter).
+    pub(crate) fn uniform(&self) -> f64 {
+        let mut bytes = [0u8; 8];
+        self.ctx.random_bytes(&mut bytes);
+        // The top 53 bits make every f64 in [0, 1) with that spacing equally likely.
+        #[allow(clippy::cast_precision_loss)] // 53 bits fit an f64 mantissa exactly
+        let sample = (u64::from_le_bytes(bytes) >> 11) as f64;
+        sample / (1u64 << 53) as f64
+    }
+
+    /// A random UUID v4 string naming one generation of a record.
+    pub(crate) fn new_generation(&self) -> String {
+        let mut b = [0u8; 16];
+        self.ctx.random_bytes(&mut b);
+        b[6] = (b[6] & 0x0f) | 0x40;
+        b[8] = (b[8] & 0x3f) | 0x80;
+        let hex: String = b.iter().map(|byte| format!("{byte:02x}")).collect();
+        format!(
+            "{}-{}-{}-{}-{}",
+            &hex[0..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..32]
+        )
+    }
+
+    pub(crate) fn register(
+        &self,
+        table: DurableTable,
+        participant: Weak<dyn Participant>,
+    ) -> Result<(), ConfigError> {
+        let mut participants = self.participants.borrow_mut();
+        // A dropped capability gives its table back.
+        participants.retain(|(_, p)| p.strong_count() > 0);
+        if participants.iter().any(|(t, _)| t.name == table.name) {
+            return Err(ConfigError::DuplicateParticipant {
+                table: table.name.to_owned(),
+            });
+        }
+        participants.push((table, participant));
+        Ok(())
+    }
+
+    fn live_participants(&self) -> Vec<Rc<dyn Participant>> {
+        self.participants
+            .borrow()
+            .iter()
+            .filter_map(|(_, p)| p.upgrade())
+            .collect()
+    }
+
+    /// Applies a capability's migrations once per scheduler; skipped when the
+    /// stored history already matches, so construction stays cheap.
+    pub(crate) fn migrate_schema(
+        &self,
+        capability: &'static str,
+        list: &[Migration],
+    ) -> Result<(), DurabilityError> {
+        if self.migrated.borrow().contains(capability) {
+            return Ok(());
+        }
+        let storage = self.ctx.storage();
+        if !migrations::is_schema_current(storage, capability, list)? {
+            migrations::migrate(storage, capability, list, MigrationTarget::Latest)?;
+        }
+        self.migrated.borrow_mut().insert(capability);
+        Ok(())
+    }
+
+    /// Runs synchronous writes atomically without touching the alarm.
+    pub(crate) fn transaction_sync<T, E: From<StorageError>>(
+        &self,
+        write: impl FnOnce(&dyn Sql) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.ctx.storage().transaction_sync(write)
+    }
+
+    /// Runs the writes and reconciles the physical alarm in one storage
+    /// transaction, then arms the in-memory timer, only after the commit.
+    pub(crate) async fn transaction<T, E: From<StorageError>>(
+        self: &Rc<Self>,
+        write: impl FnOnce(&dyn Sql) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let (value, timer_at) = self
+            .ctx
+            .storage()
+            .transaction(|txn: &dyn Transaction| {
+                let value = write(txn)?;
+                let timer_at = self.reconcile(txn)?;
+                Ok::<_, E>((value, timer_at))
+            })
+            .await?;
+        self.schedule_early_alarm(timer_at);
+        Ok(value)
+    }
+
+    /// A reconcile with no writes. Concurrent callers share one transaction.
+    pub(crate) fn schedule_next_alarm(self: &Rc<Self>) -> Refresh {
+        if let Some(refresh) = self.refresh.borrow().as_ref() {
+            return refresh.clone();
+        }
+        let engine = Rc::clone(self);
+        let refresh = async move {
+            let result = engine.transaction(|_| Ok::<_, StorageError>(())).await;
+            engine.refresh.borrow_mut().take();
+            result
+        }
+        .boxed_local()
+        .shared();
+        *self.refresh.borrow_mut() = Some(refresh.clone());
+        refresh
+    }
+
+    fn track_active(&self, table: &'static str, key: &str) {
+        self.active_by_table
+            .borrow_mut()
+            .entry(table)
+            .or_default()
+            .insert(key.to_owned());
+    }
+
+    fn release_active(&self, table: &'static str, key: &str) {
+        let mut by_table = self.active_by_table.borrow_mut();
+        if let Some(keys) = by_table.get_mut(table) {
+            keys.remove(key);
+            if keys.is_empty() {
+                by_table.remove(table);
+            }
+        }
+    }
+
+    /// The earliest pending time of one participant: `physical` arms the
+    /// alarm (the eviction fallback) and includes running work; `timer`
+    /// drives the in-memory timer and, under live timers, skips running work.
+    fn pending_times(
+        &self,
+        participant: &dyn Participant,
+        sql: &dyn Sql,
+    ) -> Result<(Option<EpochMs>, Option<EpochMs>), StorageError> {
+        if let Some(custom) = participant.custom_next_pending_at(sql) {
+            return Ok(match custom? {
+                None => (None, None),
+                Some(at) if participant.holding() => (Some(at), None),
+                Some(at) => (Some(at), Some(at)),
+            });
+        }
+        let table = participant.table();
+        let active = self.active_by_table.borrow();
+        let active = active.get(table.name);
+        let limit = if self.live_timers {
+            active.map_or(0, HashSet::len) + 1
+        } else {
+            1
+        };
+        // Covered by the table's (status, next_attempt_at) index.
+        let query = format!(
+            "SELECT {key} AS pk, next_attempt_at FROM {name} \
+             WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?",
+            key = table.key,
+            name = table.name,
+        );
+        let rows = sql.query(&query, &params![i64::try_from(limit).unwrap_or(i64::MAX)])?;
+        let mut physical = None;
+        let mut timer = None;
+        for (index, row) in rows.iter().enumerate() {
+            let at: EpochMs = row.get(1)?;
+            if index == 0 {
+                physical = Some(at);
+            }
+            if !self.live_timers {
+                timer = physical;
+                break;
+            }
+            let key: Value = row.get(0)?;
+            let is_active = match (&key, active) {
+                (Value::Text(k), Some(keys)) => keys.contains(k),
+                _ => false,
+            };
+            if !is_active {
+                timer = Some(at);
+                break;
+            }
+        }
+        Ok((physical, timer))
+    }
+
+    /// Arms the physical alarm from the earliest pending time and returns
+    /// the earliest time the in-memory timer should fire.
+    fn reconcile(&self, txn: &dyn Transaction) -> Result<Option<EpochMs>, StorageError> {
+        let mut physical_at: Option<EpochMs> = None;
+        let mut timer_at: Option<EpochMs> = None;
+        for participant in self.live_participants() {
+            let (physical, timer) = self.pending_times(participant.as_ref(), txn)?;
+            physical_at = min_time(physical_at, physical);
+            timer_at = min_time(timer_at, timer);
+        }
+        let current = txn.get_alarm()?;
+        let Some(earliest) = physical_at else {
+            if current.is_some() {
+                txn.delete_alarm()?;
+            }
+            return Ok(None);
+        };
+        let target = earliest.max(self.now().saturating_add(self.alarm_min_delay_ms));
+        // A fallback already inside [earliest, target] is kept, so frequent
+        // reconciles cannot keep pushing it later.
+        match current {
+            Some(at) if at >= earliest && at <= target => {}
+            _ => txn.set_alarm(target)?,
+        }
+        Ok(timer_at)
+    }
+
+    /// Arms (or cancels) the in-memory timer. Called only after a commit.
+    fn schedule_early_alarm(self: &Rc<Self>, at: Option<EpochMs>) {
+        let mut early = self.early.borrow_mut();
+        if early.as_ref().map(|timer| timer.at) == at {
+            return;
+        }
+        if let Some(old) = early.take() {
+            old.abort.abort();
+        }
+        let Some(at) = at else {
+            return;
+        };
+        let delay = at.saturating_sub(self.now());
+        // Without live timers the timer only covers the window the physical
+        // alarm may not serve; with them, anything a timer can reach.
+        if !self.live_timers && delay >= self.alarm_min_delay_ms {
+            return;
+        }
+        if delay > i64::try_from(MAX_TIMER_MS).unwrap_or(i64::MAX) {
+            return;
+        }
+        let id = self.next_id();
+        let (abort, registration) = AbortHandle::new_pair();
+        let sleep = self.ctx.sleep(Duration::from_millis(
+            u64::try_from(delay.max(0)).unwrap_or(0),
+        ));
+        let engine = Rc::downgrade(self);
+        let fire = async move {
+            sleep.await;
+            let Some(engine) = engine.upgrade() else {
+                return;
+            };
+            {
+                let mut early = engine.early.borrow_mut();
+                // A superseded timer never runs.
+                if early.as_ref().map(|timer| timer.id) != Some(id) {
+                    return;
+                }
+                early.take();
+            }
+            tracing::trace!(scheduled_time = at, "scheduler early alarm");
+            let run = Rc::clone(&engine);
+            engine.ctx.wait_until(Box::pin(async move {
+                if let Err(error) = run.alarm(None).await {
+                    tracing::error!(
+                        event = "durability.background_execution.failed",
+                        scheduled_time = at,
+                        %error,
+                        "timer-driven alarm run failed"
+                    );
+                }
+            }));
+        };
+        self.ctx
+            .spawn(Box::pin(Abortable::new(fire, registration).map(|_| ())));
+        *early = Some(EarlyTimer { at, id, abort });
+    }
+
+    pub(crate) fn try_acquire_permit(&self) -> Option<OwnedSemaphorePermit> {
+        Arc::clone(&self.permits).try_acquire_owned().ok()
+    }
+
+    pub(crate) async fn acquire_permit(&self) -> Result<OwnedSemaphorePermit, DurabilityError> {
+        // The semaphore is never closed, so this cannot fail in practice.
+        Arc::clone(&self.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| DurabilityError::Interrupted)
+    }
+
+    /// Runs `worker` over `items` on at most `alarm_concurrency` lanes, each
+    /// taking the next item in order when its previous one finished. Lanes
+    /// bound a participant's fan-out; permits bound handlers across them.
+    pub(crate) async fn run_concurrent<I, F, Fut, T>(&self, items: Vec<I>, worker: F) -> Vec<T>
+    where
+        F: Fn(I) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        use futures::StreamExt;
+        futures::stream::iter(items.into_iter().map(worker))
+            .buffered(self.alarm_concurrency.max(1))
+            .collect()
+            .await
+    }
+
+    /// Runs due work and re-arms the alarm; a failed run arms a fallback of
+    /// our own instead of letting the platform retry (it gives up after a
+    /// few failures and drops the alarm, stranding pending work).
+    pub(crate) async fn alarm(
+        self: &Rc<Self>,
+        info: Option<AlarmInfo>,
+    ) -> Result<(), DurabilityError> {
+        let span = tracing::info_span!(
+            "alarm_run",
+            object = %self.ctx.id(),
+            retry_count = info.map(|i| i.retry_count)
+        );
+        self.alarm_with_fallback(info).instrument(span).await
+    }
+
+    async fn alarm_with_fallback(
+        self: &Rc<Self>,
+        info: Option<AlarmInfo>,
+    ) -> Result<(), DurabilityError> {
+        let Err(error) = self.run_alarm(info).await else {
+            return Ok(());
+        };
+        let fallback_at = self.now().saturating_add(self.alarm_min_delay_ms);
+        if self.ctx.storage().set_alarm(fallback_at).await.is_err() {
+            return Err(error);
+        }
+        tracing::error!(
+            event = "durability.alarm.failed",
+            retry_in_ms = self.alarm_min_delay_ms,
+            %error,
+            "alarm run failed; fallback alarm armed"
+        );
+        self.notify_alarm_retry(&error, info);
+        Ok(())
+    }
+
+    fn notify_alarm_retry(&self, failure: &DurabilityError, invocation: Option<AlarmInfo>) {
+        let Some(hook) = &self.on_alarm_retry else {
+            return;
+        };
+        let retry_in_ms = u64::try_from(self.alarm_min_delay_ms).unwrap_or(0);
+        let info = AlarmRetryInfo {
+            error: serialize_failure(failure),
+            retry_in_ms,
+            retry_count: invocation.map(|i| i.retry_count),
+            is_retry: invocation.map(|i| i.is_retry),
+            object_id: Some(self.ctx.id().to_string()),
+        };
+        if let Some(pending) = hook(&info) {
+            self.ctx.wait_until(Box::pin(async move {
+                if let Err(error) = pending.await {
+                    tracing::error!(
+                        event = "durability.alarm.retry_hook_failed",
+                        retry_in_ms,
+                        %error,
+                        "on_alarm_retry hook failed"
+                    );
+                }
+            }));
+        }
+    }
+
+    /// Runs every participant's due work concurrently, hands off to a new
+    /// alarm if the run nears the wall-time limit, then reconciles.
+    async fn run_alarm(self: &Rc<Self>, info: Option<AlarmInfo>) -> Result<(), DurabilityError> {
+        let started_at = self.now();
+        // Each participant runs as background work of its own, so that after
+        // a handoff or a first failure the others keep going.
+        let mut results = Vec::new();
+        for participant in self.live_participants() {
+            let (sender, receiver) = tokio::sync::oneshot::channel();
+            let run = participant.run_due(started_at, info);
+            self.ctx.wait_until(Box::pin(async move {
+                let _ = sender.send(run.await);
+            }));
+            results.push(receiver);
+        }
+        let all = async move {
+            for receiver in results {
+                match receiver.await {
+                    Ok(result) => result?,
+                    Err(_) => return Err(DurabilityError::Interrupted),
+                }
+            }
+            Ok(())
+        };
+        let elapsed = u64::try_from(self.now().saturating_sub(started_at)).unwrap_or(0);
+        let remaining = self.alarm_handoff_ms.saturating_sub(elapsed);
+        let handoff = self.ctx.sleep(Duration::from_millis(remaining));
+        futures::pin_mut!(all);
+        match futures::future::select(all, handoff).await {
+            Either::Left((result, _)) => {
+                result?;
+                self.schedule_next_alarm().await?;
+            }
+            Either::Right(((), _)) => self.arm_for_handoff().await?,
+        }
+        Ok(())
+    }
+
+    /// Arms the alarm so a new invocation picks up what this one leaves
+    /// running; the running work itself continues in memory.
+    async fn arm_for_handoff(&self) -> Result<(), StorageError> {
+        let target = self.now().saturating_add(self.alarm_min_delay_ms);
+        self.ctx
+            .storage()
+            .transaction(|txn: &dyn Transaction| {
+                match txn.get_alarm()? {
+                    Some(current) if current <= target => {}
+                    _ => txn.set_alarm(target)?,
+                }
+                Ok::<_, StorageError>(())
+            })
+            .await
+    }
+
+    /// Aborts the matching running handlers, then deletes the table's
+    /// records created before `before` and reconciles, in one transaction.
+    pub(crate) async fn purge(
+        self: &Rc<Self>,
+        table: DurableTable,
+        before: EpochMs,
+        active: &attempt::ActiveMap,
+        abort_reason: &str,
+    ) -> Result<u64, DurabilityError> {
+        if !(0..=durability_platform::MAX_SAFE_INTEGER).contains(&before) {
+            return Err(DurabilityError::InvalidTimestamp {
+                field: "before",
+                value: before,
+            });
+        }
+        for running in active.borrow().values() {
+            if running.created_at < before
+                && let Some(signal) = &running.signal
+            {
+                signal.abort(HandlerError::new(abort_reason));
+            }
+        }
+        let count_sql = format!(
+            "SELECT COUNT(*) FROM {name} WHERE created_at < ?",
+            name = table.name
+        );
+        let delete_sql = format!("DELETE FROM {name} WHERE created_at < ?", name = table.name);
+        let removed = self
+            .transaction(|sql| {
+                let count: u64 = match sql.query_row(&count_sql, &params![before])? {
+                    Some(row) => row.get(0)?,
+                    None => 0,
+                };
+                sql.execute(&delete_sql, &params![before])?;
+                crate::memo::delete_stale_memos(sql, table)?;
+                Ok::<_, StorageError>(count)
+            })
+            .await?;
+        if removed > 0 {
+            let keys: Vec<String> = self
+                .watchers
+                .borrow()
+                .get(table.name)
+                .map(|by_key| by_key.keys().cloned().collect())
+                .unwrap_or_default();
+            for key in keys {
+                self.notify(table, &key, None);
+            }
+        }
+        Ok(removed)
+    }
+
+    /// In memory only: listeners never survive eviction.
+    pub(crate) fn watch(
+        self: &Rc<Self>,
+        table: DurableTable,
+        key: &str,
+        listener: SettlementListener,
+    ) -> WatchGuard {
+        let id = self.next_id();
+        self.watchers
+            .borrow_mut()
+            .entry(table.name)
+            .or_default()
+            .entry(key.to_owned())
+            .or_default()
+            .push((id, listener));
+        WatchGuard {
+            engine: Rc::downgrade(self),
+            table: table.name,
+            key: key.to_owned(),
+            id,
+        }
+    }
+
+    /// Call only after the change has committed.
+    pub(crate) fn notify(&self, table: DurableTable, key: &str, completed: Option<&SettledRow>) {
+        // Clone the listeners first: one may unwatch (and so borrow) while running.
+        let listeners: Vec<SettlementListener> = self
+            .watchers
+            .borrow()
+            .get(table.name)
+            .and_then(|by_key| by_key.get(key))
+            .map(|listeners| listeners.iter().map(|(_, l)| Rc::clone(l)).collect())
+            .unwrap_or_default();
+        for listener in listeners {
+            listener(completed);
+        }
+    }
+}
+
+/// The `{name, message}` form of an engine-level failure, for the
+/// `on_alarm_retry` hook.
+fn serialize_failure(failure: &DurabilityError) -> SerializedError {
+    let name = match failure {
+        DurabilityError::Storage(_) => "StorageError",
+        DurabilityError::Migration(_) => "MigrationError",
+        DurabilityError::Decode { .. } => "DecodeError",
+        _ => "DurabilityError",
+    };
+    SerializedError::new(name, failure.to_string())
+}
+
+fn min_time(a: Option<EpochMs>, b: Option<EpochMs>) -> Option<EpochMs> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
