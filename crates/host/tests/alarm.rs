@@ -162,11 +162,8 @@ async fn a_failing_alarm_is_retried_at_2_4_8_seconds_and_stops_after_6_retries()
         tokio::time::sleep(Duration::from_secs(3600)).await;
         let (log, infos, alarm) = stub
             .call(|o: Rc<Notes>| async move {
-                (
-                    o.alarm_log().unwrap(),
-                    o.alarms.borrow().clone(),
-                    o.alarm().await.unwrap(),
-                )
+                let infos = o.alarms.borrow().clone();
+                (o.alarm_log().unwrap(), infos, o.alarm().await.unwrap())
             })
             .await
             .unwrap();
@@ -229,7 +226,8 @@ impl DurableObject for Rearming {
         self.seen.borrow_mut().push(in_txn);
         if self.seen.borrow().len() == 2 {
             storage.set_alarm(self.ctx.now_ms() + 5_000).await?;
-            self.seen.borrow_mut().push(storage.get_alarm().await?);
+            let after = storage.get_alarm().await?;
+            self.seen.borrow_mut().push(after);
         }
         Ok(())
     }
@@ -260,10 +258,8 @@ async fn the_firing_alarm_is_not_reported_while_its_handler_runs_and_a_new_one_s
         tokio::time::sleep(Duration::from_secs(2)).await;
         let (seen, alarm) = stub
             .call(|o: Rc<Rearming>| async move {
-                (
-                    o.seen.borrow().clone(),
-                    o.ctx.storage().get_alarm().await.unwrap(),
-                )
+                let seen = o.seen.borrow().clone();
+                (seen, o.ctx.storage().get_alarm().await.unwrap())
             })
             .await
             .unwrap();
@@ -272,10 +268,8 @@ async fn the_firing_alarm_is_not_reported_while_its_handler_runs_and_a_new_one_s
         tokio::time::sleep(Duration::from_secs(10)).await;
         let (seen, alarm) = stub
             .call(|o: Rc<Rearming>| async move {
-                (
-                    o.seen.borrow().clone(),
-                    o.ctx.storage().get_alarm().await.unwrap(),
-                )
+                let seen = o.seen.borrow().clone();
+                (seen, o.ctx.storage().get_alarm().await.unwrap())
             })
             .await
             .unwrap();
