@@ -136,8 +136,8 @@ const ALARMS_0004: &str = "durability_0004_alarms_generation_and_created_at";
 ///
 /// In order: resolve the target (an unknown name fails before any statement
 /// runs); make sure the history table and its `capability` and `down`
-/// columns exist, translate the 2.x combined row and claim unowned rows of
-/// this list (one transaction); revert up to two migrations of this
+/// columns exist, translate the 2.x combined row (when upgrading a 2.x
+/// table) and claim unowned rows of this list (one transaction); revert up to two migrations of this
 /// capability that the list does not know, using their stored `down`
 /// (one transaction; more than two is an error); then revert what lies after
 /// the target, apply what is missing up to it and refresh stale stored
@@ -162,8 +162,9 @@ pub fn migrate(
     };
 
     let recorded = storage.transaction_sync(|sql| -> Result<_, MigrationError> {
-        ensure_history_table(sql)?;
-        translate_legacy_rows(sql)?;
+        if ensure_history_table(sql)? {
+            translate_legacy_rows(sql)?;
+        }
         for migration in list {
             sql.execute(
                 "UPDATE durability_migrations SET capability = ? \
@@ -306,7 +307,9 @@ pub fn is_schema_current(
         }))
 }
 
-fn ensure_history_table(sql: &dyn Sql) -> Result<(), StorageError> {
+/// Creates the history table or upgrades a 2.x one. Returns whether it was
+/// a 2.x table (it lacked the `capability` column).
+fn ensure_history_table(sql: &dyn Sql) -> Result<bool, StorageError> {
     sql.execute_script(
         "CREATE TABLE IF NOT EXISTS durability_migrations (\
          id INTEGER PRIMARY KEY AUTOINCREMENT, \
@@ -317,13 +320,14 @@ fn ensure_history_table(sql: &dyn Sql) -> Result<(), StorageError> {
     )?;
     // A history table written by the 2.x library lacks both columns.
     let columns = history_columns(sql)?;
-    if !columns.iter().any(|c| c == "capability") {
+    let from_2x = !columns.iter().any(|c| c == "capability");
+    if from_2x {
         sql.execute_script("ALTER TABLE durability_migrations ADD COLUMN capability TEXT")?;
     }
     if !columns.iter().any(|c| c == "down") {
         sql.execute_script("ALTER TABLE durability_migrations ADD COLUMN down TEXT")?;
     }
-    Ok(())
+    Ok(from_2x)
 }
 
 fn history_columns(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
@@ -335,6 +339,12 @@ fn history_columns(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
 
 /// Inserts the split 0004 rows when the 2.x combined row exists. The combined
 /// row stays, so a 2.x deployment still sees its complete history.
+///
+/// Runs only while upgrading a 2.x history table, not on every call as the
+/// reference describes: the combined row is never removed, so translating
+/// again after a capability reverted its split row would resurrect that row,
+/// and the next migrate would take 0004 as applied on a table that lacks its
+/// columns.
 fn translate_legacy_rows(sql: &dyn Sql) -> Result<(), StorageError> {
     for split in [CALLS_0004, ALARMS_0004] {
         sql.execute(

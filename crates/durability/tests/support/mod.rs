@@ -1,0 +1,212 @@
+//! Fixtures shared by the capability tests: a real inline host (one SQLite
+//! file per object in a temp dir, objects on the test's thread so paused
+//! tokio time drives everything) and a plain object that hands its context
+//! to the test.
+
+#![allow(dead_code)] // each test binary uses a different part of the support module
+
+use std::future::Future;
+use std::path::Path;
+use std::rc::Rc;
+
+use std::cell::RefCell;
+
+use durability::Scheduler;
+use durability_host::{
+    AlarmInfo, BoxError, DurableObject, Host, Namespace, ObjectContext, ObjectId,
+};
+use durability_platform::Context;
+use tempfile::TempDir;
+
+/// The object type of the tests: nothing but its context.
+pub struct TestObject {
+    pub ctx: ObjectContext,
+}
+
+impl DurableObject for TestObject {}
+
+impl TestObject {
+    /// The context as capabilities hold it.
+    pub fn context(&self) -> Rc<dyn Context> {
+        self.ctx.clone().into_dyn()
+    }
+}
+
+/// An object whose `alarm()` delegates to the scheduler a test installs in
+/// it, the way an application object does. Capabilities built in a test are
+/// kept in `state` so they live as long as the object.
+pub struct Harness {
+    pub ctx: ObjectContext,
+    pub scheduler: RefCell<Option<Scheduler>>,
+    pub state: RefCell<Vec<Box<dyn std::any::Any>>>,
+}
+
+impl Harness {
+    /// The context as capabilities hold it.
+    pub fn context(&self) -> Rc<dyn Context> {
+        self.ctx.clone().into_dyn()
+    }
+
+    /// Installs `scheduler` as the one the object's alarm delegates to.
+    pub fn install(&self, scheduler: &Scheduler) {
+        *self.scheduler.borrow_mut() = Some(scheduler.clone());
+    }
+
+    /// Keeps `value` alive as long as the object.
+    pub fn keep<T: 'static>(&self, value: T) {
+        self.state.borrow_mut().push(Box::new(value));
+    }
+}
+
+impl DurableObject for Harness {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        let scheduler = self.scheduler.borrow().clone();
+        match scheduler {
+            Some(scheduler) => scheduler
+                .alarm(Some(info))
+                .await
+                .map_err(|e| Box::new(e) as BoxError),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The namespace of [`Harness`] objects.
+pub const HARNESS_NAMESPACE: &str = "harness";
+
+/// Opens an inline host over `dir` with the [`Harness`] namespace.
+pub fn open_harness_host(dir: &Path) -> (Host, Namespace<Harness>) {
+    let host = Host::builder(dir)
+        .threads(0)
+        .clock_start_ms(1_000_000)
+        .build()
+        .expect("host");
+    let objects = host
+        .namespace(HARNESS_NAMESPACE, |ctx| {
+            Ok(Harness {
+                ctx,
+                scheduler: RefCell::new(None),
+                state: RefCell::new(Vec::new()),
+            })
+        })
+        .expect("namespace");
+    (host, objects)
+}
+
+/// Runs `body` on one [`Harness`] object of a fresh inline host (clock
+/// starting at 1,000,000 ms) inside a `LocalSet`; the whole test body runs
+/// on the object, so paused tokio time drives handlers, timers and alarms
+/// alike. Shuts the host down afterwards.
+pub async fn on_harness<F, Fut, R>(body: F) -> R
+where
+    F: FnOnce(Rc<Harness>) -> Fut + Send + 'static,
+    Fut: Future<Output = R> + 'static,
+    R: Send + 'static,
+{
+    tokio::task::LocalSet::new()
+        .run_until(async move {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let (host, objects) = open_harness_host(dir.path());
+            let output = objects
+                .stub("object")
+                .expect("valid name")
+                .call(body)
+                .await
+                .expect("the call reaches the object");
+            host.shutdown().await;
+            output
+        })
+        .await
+}
+
+/// An inline host over a temp dir with one namespace of [`TestObject`]s.
+/// Build it inside a `LocalSet` (see [`with_host`]).
+pub struct TestHost {
+    pub host: Host,
+    pub objects: Namespace<TestObject>,
+    /// Kept so the directory lives as long as the host.
+    pub dir: TempDir,
+}
+
+/// The namespace of [`TestObject`]s.
+pub const TEST_NAMESPACE: &str = "test";
+
+impl TestHost {
+    /// A host with `threads(0)`: objects run on the caller's `LocalSet`.
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (host, objects) = open_host(dir.path());
+        TestHost { host, objects, dir }
+    }
+
+    /// Runs `f` on object `name` with its context, constructing the object
+    /// if needed.
+    pub async fn run<F, Fut, R>(&self, name: &str, f: F) -> R
+    where
+        F: FnOnce(Rc<dyn Context>) -> Fut + Send + 'static,
+        Fut: Future<Output = R> + 'static,
+        R: Send + 'static,
+    {
+        self.objects
+            .stub(name)
+            .expect("valid object name")
+            .call(move |object: Rc<TestObject>| f(object.context()))
+            .await
+            .expect("the call reaches the object")
+    }
+
+    /// The id of object `name`.
+    pub fn id(&self, name: &str) -> ObjectId {
+        self.objects.id_of(name).expect("valid object name")
+    }
+
+    /// Evicts object `name`: memory, timers and background tasks go, its
+    /// storage and alarm stay (what a restart looks like to the object).
+    pub async fn evict(&self, name: &str) {
+        self.host.evict(&self.id(name)).await.expect("evict");
+    }
+}
+
+impl Default for TestHost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Opens an inline host over `dir` with the [`TestObject`] namespace; for
+/// tests that reopen a directory another host (or process) wrote.
+pub fn open_host(dir: &Path) -> (Host, Namespace<TestObject>) {
+    let host = Host::builder(dir).threads(0).build().expect("host");
+    let objects = host
+        .namespace(TEST_NAMESPACE, |ctx| Ok(TestObject { ctx }))
+        .expect("namespace");
+    (host, objects)
+}
+
+/// Runs `body` with a fresh [`TestHost`] inside a `LocalSet`, then shuts the
+/// host down.
+pub async fn with_host<F, Fut>(body: F) -> Fut::Output
+where
+    F: FnOnce(Rc<TestHost>) -> Fut,
+    Fut: Future,
+{
+    tokio::task::LocalSet::new()
+        .run_until(async move {
+            let host = Rc::new(TestHost::new());
+            let output = body(Rc::clone(&host)).await;
+            host.host.shutdown().await;
+            output
+        })
+        .await
+}
+
+/// Runs `f` with the context of a fresh object on a fresh host: the
+/// shortest way to get real storage in a test.
+pub async fn with_context<F, Fut, R>(f: F) -> R
+where
+    F: FnOnce(Rc<dyn Context>) -> Fut + Send + 'static,
+    Fut: Future<Output = R> + 'static,
+    R: Send + 'static,
+{
+    with_host(|host| async move { host.run("object", f).await }).await
+}
