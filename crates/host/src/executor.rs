@@ -357,7 +357,12 @@ impl Executor {
             Rc::clone(&state),
             Arc::clone(&self.core.work),
         );
-        let object = match constructor(ctx.clone()) {
+        // A panicking factory must not take the executor (and every other
+        // object on it) down with it.
+        let built =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| constructor(ctx.clone())))
+                .unwrap_or_else(|_| Err("the namespace's factory panicked".into()));
+        let object = match built {
             Ok(object) => object,
             Err(error) => {
                 state.abort_all();
@@ -501,7 +506,9 @@ impl Executor {
             Ok(slot) => slot,
             Err(error) => {
                 tracing::warn!(object = %id, %error, "object could not be woken for its alarm");
-                self.alarm_failed(&id, entry, now_ms);
+                if self.alarm_failed(&id, entry, now_ms).is_none() {
+                    tracing::warn!(object = %id, "alarm dropped from memory after its last retry; it fires again after a restart");
+                }
                 return;
             }
         };
@@ -574,9 +581,10 @@ impl Executor {
     }
 }
 
-/// One running alarm delivery. If its task is aborted (the object was
-/// evicted mid-run) the drop puts the alarm back, so it is delivered again:
-/// the row is still in the file.
+/// One running alarm delivery. If its task ends without finishing, the
+/// row is still in the file and the alarm is delivered again: at once when
+/// the object was evicted mid-run, after the retry backoff when the handler
+/// panicked (so a panicking handler cannot spin).
 struct AlarmRun {
     executor: Rc<Executor>,
     id: ObjectId,
@@ -629,11 +637,30 @@ impl Drop for AlarmRun {
         let Some(entry) = self.entry.take() else {
             return;
         };
-        let mut schedule = self.executor.schedule.borrow_mut();
-        schedule.running.remove(&self.id);
-        let at_ms = self.executor.core.clock.now_ms();
-        schedule.set(&self.id, Some(Entry { at_ms, ..entry }));
-        drop(schedule);
+        if let Ok(mut schedule) = self.executor.schedule.try_borrow_mut() {
+            schedule.running.remove(&self.id);
+        }
+        let now_ms = self.executor.core.clock.now_ms();
+        if std::thread::panicking() {
+            tracing::warn!(object = %self.id, "alarm handler panicked");
+            if self
+                .executor
+                .alarm_failed(&self.id, entry, now_ms)
+                .is_none()
+            {
+                tracing::warn!(object = %self.id, "alarm dropped from memory after its last retry; it fires again after a restart");
+            }
+            return;
+        }
+        if let Ok(mut schedule) = self.executor.schedule.try_borrow_mut() {
+            schedule.set(
+                &self.id,
+                Some(Entry {
+                    at_ms: now_ms,
+                    ..entry
+                }),
+            );
+        }
         self.executor.wake.notify_one();
     }
 }

@@ -317,3 +317,192 @@ async fn alarms_of_a_namespace_registered_after_start_wait_for_it() {
     })
     .await;
 }
+
+/// An object whose alarm handler takes a while, or panics.
+struct Slow {
+    ctx: ObjectContext,
+    panics: bool,
+}
+
+impl DurableObject for Slow {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        let storage = self.ctx.storage();
+        storage.execute_script("CREATE TABLE IF NOT EXISTS runs (retry_count INTEGER)")?;
+        storage.execute(
+            "INSERT INTO runs (retry_count) VALUES (?1)",
+            &durability_platform::params![info.retry_count],
+        )?;
+        if self.panics {
+            panic!("the alarm handler panics on purpose");
+        }
+        self.ctx.sleep(Duration::from_secs(10)).await;
+        Ok(())
+    }
+}
+
+fn runs(ctx: &ObjectContext) -> Vec<i64> {
+    ctx.storage()
+        .query("SELECT retry_count FROM runs", &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0).unwrap())
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_run_cut_short_by_eviction_is_delivered_again() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let ns = host
+            .namespace("slow", |ctx| Ok(Slow { ctx, panics: false }))
+            .unwrap();
+        let stub = ns.stub("s").unwrap();
+        let at = host.now_ms() + 1_000;
+        stub.call(move |o: Rc<Slow>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // The handler is asleep in its run; evicting cuts it short.
+        host.evict(stub.id()).await.unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let (runs, alarm) = stub
+            .call(|o: Rc<Slow>| async move {
+                (runs(&o.ctx), o.ctx.storage().get_alarm().await.unwrap())
+            })
+            .await
+            .unwrap();
+        assert_eq!(runs, vec![0, 0], "delivered again after the cut");
+        assert_eq!(alarm, None, "cleared once a run completed");
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_alarm_handler_is_retried_with_backoff_and_others_keep_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .idle_timeout(Duration::from_secs(24 * 3600))
+            .build()
+            .unwrap();
+        let ns = host
+            .namespace("panicky", |ctx| Ok(Slow { ctx, panics: true }))
+            .unwrap();
+        let stub = ns.stub("p").unwrap();
+        let at = host.now_ms();
+        stub.call(move |o: Rc<Slow>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        let runs = stub
+            .call(|o: Rc<Slow>| async move { runs(&o.ctx) })
+            .await
+            .unwrap();
+        assert_eq!(runs, vec![0, 1, 2], "runs at 0 s, 2 s and 6 s");
+        let other = notes(&host).stub("other").unwrap();
+        assert!(
+            other
+                .call(|o: Rc<Notes>| async move { o.add("fine") })
+                .await
+                .is_ok()
+        );
+        host.shutdown().await;
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_object_file_is_the_truth_when_the_index_is_early_or_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let start_ms = 10_000_000;
+    let at = start_ms + 3_600_000;
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(start_ms)
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        notes
+            .stub("armed")
+            .unwrap()
+            .call(move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        notes
+            .stub("unarmed")
+            .unwrap()
+            .call(|_o: Rc<Notes>| async move {})
+            .await
+            .unwrap();
+        host.shutdown().await;
+    })
+    .await;
+    // What a crash between the index write and the object's commit leaves:
+    // an index earlier than the file, and an entry for an object without alarm.
+    let index = rusqlite::Connection::open(dir.path().join("index.sqlite")).unwrap();
+    index
+        .execute("UPDATE alarms SET at_ms = ?1", [start_ms + 60_000])
+        .unwrap();
+    let unarmed_id = {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(b"notes\0unarmed");
+        digest
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    };
+    index
+        .execute(
+            "INSERT INTO alarms (id, namespace, at_ms) VALUES (?1, 'notes', ?2)",
+            rusqlite::params![unarmed_id, start_ms + 60_000],
+        )
+        .unwrap();
+    drop(index);
+    local(async {
+        let host = Host::builder(dir.path())
+            .threads(0)
+            .clock_start_ms(start_ms)
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        let armed = notes.stub("armed").unwrap();
+        let (log, alarm) = armed
+            .call(|o: Rc<Notes>| async move { (o.alarm_log().unwrap(), o.alarm().await.unwrap()) })
+            .await
+            .unwrap();
+        assert!(
+            log.is_empty(),
+            "the early index entry did not fire the alarm"
+        );
+        assert_eq!(alarm, Some(at));
+        let index = rusqlite::Connection::open(dir.path().join("index.sqlite")).unwrap();
+        let entries: Vec<(String, i64)> = index
+            .prepare("SELECT id, at_ms FROM alarms")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            entries,
+            vec![(armed.id().to_string(), at)],
+            "the index is exact again"
+        );
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let log = armed
+            .call(|o: Rc<Notes>| async move { o.alarm_log().unwrap() })
+            .await
+            .unwrap();
+        assert_eq!(log, vec![(at, 0)]);
+        host.shutdown().await;
+    })
+    .await;
+}

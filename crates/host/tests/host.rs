@@ -60,3 +60,52 @@ async fn a_thread_mode_host_serves_calls_from_any_thread() {
     host.shutdown().await;
     assert_eq!(host.live_objects(), 0);
 }
+
+#[test]
+fn handles_are_send_and_sync_and_a_call_is_a_send_future() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+    send_sync::<Host>();
+    send_sync::<durability_host::Namespace<Notes>>();
+    send_sync::<durability_host::Stub<Notes>>();
+    send_sync::<durability_host::HostError>();
+    send_sync::<durability_host::CallError>();
+    let _ = |stub: durability_host::Stub<Notes>| {
+        let call = async move { stub.call(|o: Rc<Notes>| async move { o.texts() }).await };
+        send(&call);
+    };
+}
+
+struct Panicking;
+impl durability_host::DurableObject for Panicking {}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_factory_is_a_typed_error_and_the_executor_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let ns = host
+            .namespace("panicking", |_ctx| -> Result<Panicking, _> {
+                panic!("the factory panics on purpose")
+            })
+            .unwrap();
+        let result = ns
+            .stub("p")
+            .unwrap()
+            .call(|_o: Rc<Panicking>| async move {})
+            .await;
+        assert!(matches!(
+            result,
+            Err(durability_host::CallError::Construct { .. })
+        ));
+        let notes = notes(&host);
+        let ok = notes
+            .stub("n")
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.add("x") })
+            .await;
+        assert!(matches!(ok, Ok(Ok(()))));
+        host.shutdown().await;
+    })
+    .await;
+}
