@@ -210,3 +210,96 @@ where
 {
     with_host(|host| async move { host.run("object", f).await }).await
 }
+
+/// Lifecycle events a hook recorded, in emit order. Cloning shares the list.
+#[derive(Clone, Default)]
+pub struct Events(Rc<RefCell<Vec<durability::lifecycle::LifecycleEvent>>>);
+
+impl Events {
+    /// A hook that appends every event to this list.
+    pub fn hook(&self) -> durability::lifecycle::LifecycleHook {
+        let events = Rc::clone(&self.0);
+        Rc::new(move |event| {
+            events.borrow_mut().push(event.clone());
+            None
+        })
+    }
+
+    /// Every event recorded so far.
+    pub fn all(&self) -> Vec<durability::lifecycle::LifecycleEvent> {
+        self.0.borrow().clone()
+    }
+
+    /// The events about record `id`, as `type` or `attempt_settled:<outcome>`
+    /// with the attempt number: `"attempt_started 1"`, `"attempt_settled:completed 2"`.
+    pub fn trace(&self, id: &str) -> Vec<String> {
+        use durability::lifecycle::{LifecycleEvent, Outcome};
+        self.0
+            .borrow()
+            .iter()
+            .filter(|event| event.entity().is_none_or(|entity| entity.id() == id))
+            .map(|event| match event {
+                LifecycleEvent::AttemptStarted { attempt, .. } => format!("attempt_started {attempt}"),
+                LifecycleEvent::AttemptSettled { attempt, outcome, .. } => {
+                    let outcome = match outcome {
+                        Outcome::Completed { .. } => "completed",
+                        Outcome::RetryScheduled { .. } => "retry_scheduled",
+                        Outcome::Failed { .. } => "failed",
+                    };
+                    format!("attempt_settled:{outcome} {attempt}")
+                }
+                LifecycleEvent::Terminal { attempt, .. } => format!("terminal {attempt}"),
+                other => other.lifecycle_type().to_owned(),
+            })
+            .collect()
+    }
+}
+
+/// The object's physical alarm.
+pub async fn physical_alarm(ctx: &dyn Context) -> Option<i64> {
+    ctx.storage().get_alarm().await.expect("read the alarm")
+}
+
+/// One integer from a query (`SELECT COUNT(*) ...`).
+pub fn query_i64(ctx: &dyn Context, sql: &str, params: &[durability_platform::Value]) -> i64 {
+    ctx.storage()
+        .query_row(sql, params)
+        .expect("query")
+        .expect("a row")
+        .get::<i64>(0)
+        .expect("an integer")
+}
+
+/// Every row of `table` as text, ordered by its first column: a snapshot to
+/// compare before and after a call that must not write.
+pub fn table_snapshot(ctx: &dyn Context, table: &str) -> Vec<Vec<durability_platform::Value>> {
+    ctx.storage()
+        .query(&format!("SELECT * FROM {table} ORDER BY 1"), &[])
+        .expect("snapshot")
+        .iter()
+        .map(|row| row.values().to_vec())
+        .collect()
+}
+
+/// A gate handlers wait on until the test opens it. Cloning shares it.
+#[derive(Clone, Default)]
+pub struct Gate(Rc<(std::cell::Cell<bool>, tokio::sync::Notify)>);
+
+impl Gate {
+    /// Lets every waiter (and every later one) through.
+    pub fn open(&self) {
+        self.0.0.set(true);
+        self.0.1.notify_waiters();
+    }
+
+    /// Resolves once the gate is open.
+    pub async fn wait(&self) {
+        loop {
+            let notified = self.0.1.notified();
+            if self.0.0.get() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
