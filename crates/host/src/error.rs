@@ -22,20 +22,33 @@ pub enum HostError {
     },
     /// A namespace of this name is already registered on this host.
     #[error("namespace {name:?} is already registered on this host")]
-    NamespaceExists { name: String },
+    NamespaceExists {
+        /// The namespace's name.
+        name: String,
+    },
     /// A builder setting is out of range.
     #[error("invalid host setting {setting}: {rule}")]
     InvalidSetting {
+        /// The builder method.
         setting: &'static str,
+        /// The rule its value breaks.
         rule: &'static str,
     },
     /// [`crate::HostBuilder::build`] was called outside a tokio runtime, or
     /// with `threads(0)` outside a `tokio::task::LocalSet`.
     #[error("the host must be built {required}")]
-    NoRuntime { required: &'static str },
+    NoRuntime {
+        /// Where the build must happen.
+        required: &'static str,
+    },
     /// The data directory or an executor thread could not be set up.
     #[error("I/O error at {path}: {message}")]
-    Io { path: PathBuf, message: String },
+    Io {
+        /// The path that failed.
+        path: PathBuf,
+        /// The operating system's reason.
+        message: String,
+    },
     /// The host's alarm index or an object's database failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
@@ -53,24 +66,37 @@ pub enum CallError {
     /// disk full, permissions). Other objects are unaffected.
     #[error("object {id} could not open its storage: {source}")]
     Storage {
+        /// The object's id.
         id: String,
+        /// What the database said.
         #[source]
         source: StorageError,
     },
     /// The namespace's factory returned an error while constructing the object.
     #[error("object {id} could not be constructed: {message}")]
-    Construct { id: String, message: String },
+    Construct {
+        /// The object's id.
+        id: String,
+        /// The factory's error.
+        message: String,
+    },
     /// The host refuses new calls because it is shutting down.
     #[error("the host is shutting down")]
     ShuttingDown,
     /// The call was dropped before it finished: the object was evicted
     /// explicitly, the host shut down, or the call's code panicked.
     #[error("the call to object {id} was dropped before it finished")]
-    Aborted { id: String },
+    Aborted {
+        /// The object's id.
+        id: String,
+    },
     /// The object in memory has another type than the stub expects; only
     /// possible if a namespace was registered with two object types.
     #[error("object {id} is not of the type this stub expects")]
-    WrongType { id: String },
+    WrongType {
+        /// The object's id.
+        id: String,
+    },
 }
 
 /// Maps a rusqlite error to the platform's storage error: the variant says

@@ -43,6 +43,8 @@ impl Synchronous {
 
 /// Idle objects are evicted after this long by default.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most executor threads a host may start.
+pub const MAX_THREADS: usize = 1024;
 /// Shutdown waits this long for in-flight work by default.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
@@ -142,9 +144,10 @@ impl Host {
 }
 
 impl HostBuilder {
-    /// Executor threads. `0` is inline mode: objects run as local tasks on
-    /// the caller's `tokio::task::LocalSet`, so tests on paused tokio time
-    /// are deterministic. Default: the machine's available parallelism.
+    /// Executor threads, at most [`MAX_THREADS`]. `0` is inline mode:
+    /// objects run as local tasks on the caller's `tokio::task::LocalSet`,
+    /// so tests on paused tokio time are deterministic. Default: the
+    /// machine's available parallelism.
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n);
         self
@@ -181,12 +184,24 @@ impl HostBuilder {
     /// Builds the host: opens the alarm index and starts the executors,
     /// which wake every object whose indexed alarm is due.
     ///
-    /// Call inside a tokio runtime; with `threads(0)`, inside a
-    /// `tokio::task::LocalSet` of that runtime.
+    /// With `threads(0)`, call inside a `tokio::task::LocalSet` of a tokio
+    /// runtime (outside one, tokio's refusal is reported through the panic
+    /// hook and returned as [`HostError::NoRuntime`]). With threads, the
+    /// host starts its own runtimes; [`Host::shutdown`] needs a tokio
+    /// runtime with time enabled.
     pub fn build(self) -> Result<Host, HostError> {
-        if tokio::runtime::Handle::try_current().is_err() {
+        let threads = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        if threads > MAX_THREADS {
+            return Err(HostError::InvalidSetting {
+                setting: "threads",
+                rule: "must be at most 1024",
+            });
+        }
+        if threads == 0 && tokio::runtime::Handle::try_current().is_err() {
             return Err(HostError::NoRuntime {
-                required: "inside a tokio runtime",
+                required: "inside a tokio runtime and LocalSet when threads is 0",
             });
         }
         if self.idle_timeout.is_zero() {
@@ -220,9 +235,6 @@ impl HostBuilder {
             live: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             namespaces: RwLock::new(HashMap::new()),
-        });
-        let threads = self.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let executors = if threads == 0 {
             vec![start_inline(&core)?]

@@ -36,7 +36,9 @@ pub struct ObjectSummary {
 /// The row count of one table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TableRows {
+    /// The table's name.
     pub table: String,
+    /// How many rows it holds.
     pub rows: u64,
 }
 

@@ -14,6 +14,10 @@
 //! object's database and alarm), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
 //! listing of a data directory).
+//!
+//! [`Host`] opens with a runnable example: a namespace, a stub, a call.
+
+#![warn(missing_docs)]
 
 mod clock;
 mod context;
@@ -33,7 +37,8 @@ pub use durability_platform::{AlarmInfo, ObjectId};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
 pub use host::{
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder, Namespace, Stub, Synchronous,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder, MAX_THREADS, Namespace, Stub,
+    Synchronous,
 };
 pub use id::MAX_NAME_BYTES;
 
