@@ -27,6 +27,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
+use std::future::Future;
 use std::rc::{Rc, Weak};
 
 use durability_platform::{Context, EpochMs, LocalBoxFuture};
@@ -359,6 +360,34 @@ impl Serialize for LifecycleEvent {
 /// An `Err` from the future is logged and otherwise ignored.
 pub type LifecycleHook =
     Rc<dyn Fn(&LifecycleEvent) -> Option<LocalBoxFuture<'static, Result<(), HandlerError>>>>;
+
+/// A hook from a synchronous function (logging, counters).
+///
+/// ```
+/// use durability::lifecycle::{sync_hook, LifecycleEvent};
+///
+/// let hook = sync_hook(|event: &LifecycleEvent| {
+///     tracing::info!(event = event.lifecycle_type(), "durability event");
+/// });
+/// # let _ = hook;
+/// ```
+pub fn sync_hook(hook: impl Fn(&LifecycleEvent) + 'static) -> LifecycleHook {
+    Rc::new(move |event: &LifecycleEvent| {
+        hook(event);
+        None
+    })
+}
+
+/// A hook whose work is asynchronous (sending the event elsewhere). The
+/// future runs in the background; its `Err` is logged.
+pub fn async_hook<F>(hook: impl Fn(&LifecycleEvent) -> F + 'static) -> LifecycleHook
+where
+    F: Future<Output = Result<(), HandlerError>> + 'static,
+{
+    Rc::new(move |event: &LifecycleEvent| {
+        Some(Box::pin(hook(event)) as LocalBoxFuture<'static, Result<(), HandlerError>>)
+    })
+}
 
 /// Calls the attached hooks for each event. Cloning is one reference-count
 /// increment; clones share the hooks.

@@ -39,8 +39,11 @@ fn pending_call(ctx: &Rc<dyn Context>) -> &dyn Sql {
     storage
 }
 
-/// (status, attempt, next_attempt_at, last_error, last_error_name) of `c1`.
-fn call_state(sql: &dyn Sql) -> Option<(String, u32, i64, Option<String>, Option<String>)> {
+/// (status, attempt, next_attempt_at, last_error, last_error_name).
+type CallState = (String, u32, i64, Option<String>, Option<String>);
+
+/// The state of `c1`.
+fn call_state(sql: &dyn Sql) -> Option<CallState> {
     sql.query_row(
         "SELECT status, attempt, next_attempt_at, last_error, last_error_name \
          FROM durability_calls WHERE id = 'c1'",
