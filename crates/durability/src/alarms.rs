@@ -151,20 +151,41 @@ impl AlarmsBuilder {
 
 /// The named alarms of one object. Cloning is one reference-count increment.
 ///
-/// ```no_run
+/// ```
 /// # use std::rc::Rc;
-/// use durability::{Alarms, AlarmCall, Scheduler, HandlerError};
-///
-/// # async fn demo(ctx: Rc<dyn durability_platform::Context>) -> Result<(), Box<dyn std::error::Error>> {
+/// # use durability_host::{DurableObject, Host, ObjectContext};
+/// # struct Doc { ctx: ObjectContext }
+/// # impl DurableObject for Doc {}
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), String> {
+/// # let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+/// # tokio::task::LocalSet::new().run_until(async move {
+/// # let host = Host::builder(dir.path()).threads(0).build().map_err(|e| e.to_string())?;
+/// # let docs = host.namespace("doc", |ctx| Ok(Doc { ctx })).map_err(|e| e.to_string())?;
+/// # let stub = docs.stub("doc").map_err(|e| e.to_string())?;
+/// # stub.call(|doc: Rc<Doc>| async move { run(doc.ctx.clone().into_dyn()).await.map_err(|e| e.to_string()) })
+/// #     .await.map_err(|e| e.to_string())??;
+/// # host.shutdown().await;
+/// # Ok(()) }).await }
+/// # async fn run(ctx: Rc<dyn durability_platform::Context>) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::cell::Cell;
+/// use std::time::Duration;
+/// use durability::{AlarmCall, Alarms, HandlerError, Scheduler};
 /// let scheduler = Scheduler::new(ctx)?;
+/// let fired = Rc::new(Cell::new(0));
+/// let counter = Rc::clone(&fired);
 /// let alarms = Alarms::builder(&scheduler)
-///     .handler("cleanup", |call: AlarmCall| async move {
+///     .handler("cleanup", move |call: AlarmCall| {
 ///         // delete expired rows, keyed by call.idempotency_key
-///         Ok::<_, HandlerError>(())
+///         counter.set(counter.get() + 1);
+///         async { Ok::<_, HandlerError>(()) }
 ///     })
 ///     .build()?;
-/// let in_one_hour = scheduler.now_ms() + 3_600_000;
-/// alarms.schedule("cleanup", in_one_hour).await?; // replaces a pending "cleanup"
+/// let soon = scheduler.now_ms() + 1_000;
+/// alarms.schedule("cleanup", soon).await?;
+/// alarms.schedule("cleanup", soon + 500).await?; // replaces the pending one
+/// tokio::time::sleep(Duration::from_secs(2)).await;
+/// assert_eq!(fired.get(), 1);
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

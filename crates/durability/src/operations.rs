@@ -227,25 +227,39 @@ impl OperationsBuilder {
 /// Durable operations of one object. Cloning is one reference-count
 /// increment.
 ///
-/// ```no_run
+/// ```
 /// # use std::rc::Rc;
-/// use durability::{Operations, Scheduler, HandlerError, OperationResult};
+/// # use durability_host::{DurableObject, Host, ObjectContext};
+/// # struct Doc { ctx: ObjectContext }
+/// # impl DurableObject for Doc {}
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), String> {
+/// # let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+/// # tokio::task::LocalSet::new().run_until(async move {
+/// # let host = Host::builder(dir.path()).threads(0).build().map_err(|e| e.to_string())?;
+/// # let docs = host.namespace("doc", |ctx| Ok(Doc { ctx })).map_err(|e| e.to_string())?;
+/// # let stub = docs.stub("doc").map_err(|e| e.to_string())?;
+/// # stub.call(|doc: Rc<Doc>| async move { run(doc.ctx.clone().into_dyn()).await.map_err(|e| e.to_string()) })
+/// #     .await.map_err(|e| e.to_string())??;
+/// # host.shutdown().await;
+/// # Ok(()) }).await }
+/// # async fn run(ctx: Rc<dyn durability_platform::Context>) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use durability::{DurableCall, HandlerError, OperationResult, Operations, Scheduler};
 ///
-/// # async fn demo(ctx: Rc<dyn durability_platform::Context>) -> Result<(), Box<dyn std::error::Error>> {
 /// let scheduler = Scheduler::new(ctx)?;
 /// let operations = Operations::builder(&scheduler)
-///     .handler("charge", |call: durability::DurableCall<u64>| async move {
+///     .handler("charge", |call: DurableCall<u64>| async move {
 ///         // charge call.payload cents, idempotently keyed by call.id
 ///         Ok::<_, HandlerError>(format!("receipt for {}", call.payload))
 ///     })
 ///     .build()?;
 ///
 /// operations.start("charge", "order-17", &1_250_u64).await?;
-/// // ... later, or after a restart:
-/// match operations.result::<String>("charge", "order-17")? {
-///     OperationResult::Completed { result } => println!("{result}"),
-///     other => println!("not yet: {other:?}"),
-/// }
+/// let done = operations
+///     .wait::<String>("charge", "order-17", Duration::from_secs(5))
+///     .await?;
+/// assert_eq!(done, OperationResult::Completed { result: "receipt for 1250".into() });
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -28,7 +28,7 @@ use crate::error::HandlerError;
 ///     futures::pin_mut!(stop);
 ///     match futures::future::select(work, stop).await {
 ///         futures::future::Either::Left(_) => Ok(()),
-///         futures::future::Either::Right(_) => Err(signal.reason().unwrap_or_else(|| "aborted".into())),
+///         futures::future::Either::Right(_) => Err(signal.reason().unwrap_or_else(|| durability::HandlerError::new("aborted"))),
 ///     }
 /// }
 /// # let _ = handler;
