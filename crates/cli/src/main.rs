@@ -7,8 +7,11 @@
 //! command line, sets up logging and turns an error into an exit code.
 
 mod bench;
+mod demo;
+mod inspect;
 
 use std::error::Error as _;
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +28,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the demo on an embedded data directory (today: a smoke run of the
+    /// object host: objects, rows, alarms that fire).
+    Demo(demo::DemoArgs),
+    /// List every object of a data directory without constructing any.
+    Inspect(inspect::InspectArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     Bench(bench::BenchArgs),
 }
@@ -33,6 +41,10 @@ enum Command {
 /// which names what it was doing.
 #[derive(Debug, thiserror::Error)]
 enum CliError {
+    #[error(transparent)]
+    Demo(#[from] demo::DemoError),
+    #[error(transparent)]
+    Inspect(#[from] inspect::InspectError),
     #[error(transparent)]
     Bench(#[from] bench::BenchError),
 }
@@ -48,11 +60,13 @@ fn main() -> ExitCode {
         .init();
 
     let cli = Cli::parse();
-    let outcome: Result<(), CliError> = match cli.command {
+    let outcome: Result<String, CliError> = match cli.command {
+        Command::Demo(args) => demo::run(&args).map_err(CliError::from),
+        Command::Inspect(args) => inspect::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
     };
     match outcome {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(text) => print(&text),
         Err(error) => {
             eprintln!("error: {error}");
             let mut source = error.source();
@@ -60,6 +74,20 @@ fn main() -> ExitCode {
                 eprintln!("  caused by: {cause}");
                 source = cause.source();
             }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Prints a command's output. A closed pipe (`durability inspect DIR | head`)
+/// is the reader's choice, not a failure; any other write error is.
+fn print(text: &str) -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: cannot write to stdout: {error}");
             ExitCode::FAILURE
         }
     }

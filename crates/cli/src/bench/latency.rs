@@ -47,6 +47,15 @@ impl Latency {
         self.histogram.saturating_record(ns.max(1));
     }
 
+    /// Adds every latency `other` recorded (one caller's share of a run).
+    pub fn merge(&mut self, other: &Latency) -> Result<(), BenchError> {
+        self.histogram
+            .add(&other.histogram)
+            .map_err(|error| BenchError::Histogram {
+                message: format!("{error:?}"),
+            })
+    }
+
     /// How many latencies were recorded.
     pub fn len(&self) -> u64 {
         self.histogram.len()

@@ -8,8 +8,10 @@
 //! measured in the same run, so a figure reads "x % of what the disk allows"
 //! rather than a number that only means something on this machine.
 
+mod host_calls;
 mod latency;
 mod report;
+mod rss;
 mod sqlite_floor;
 
 use std::fs;
@@ -19,7 +21,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser};
 use indicatif::{ProgressBar, ProgressStyle};
 
 pub use latency::Latency;
-pub use report::{Measurement, ScenarioReport};
+pub use report::{Figure, Measurement, ScenarioReport};
 
 /// Arguments of `durability bench`.
 #[derive(Debug, clap::Args)]
@@ -65,6 +67,30 @@ pub enum BenchError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("cannot start the benchmark's tokio runtime: {source}")]
+    Runtime {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the object host failed: {source}")]
+    Host {
+        #[from]
+        source: durability_host::HostError,
+    },
+    #[error("a call to a benchmark object failed: {source}")]
+    Call {
+        #[from]
+        source: durability_host::CallError,
+    },
+    #[error("a benchmark object's storage failed: {source}")]
+    Storage {
+        #[from]
+        source: durability_platform::StorageError,
+    },
+    #[error("a benchmark caller task failed: {message}")]
+    Task { message: String },
+    #[error("only {fired} of {armed} alarms fired before the run gave up waiting")]
+    AlarmsMissing { fired: usize, armed: usize },
     #[error("unknown scenario {name:?}; known: {known}")]
     UnknownScenario { name: String, known: String },
 }
@@ -83,11 +109,18 @@ impl Scenario {
 }
 
 /// Every scenario `durability bench` knows, in the order `--help` lists them.
-const SCENARIOS: &[Scenario] = &[Scenario {
-    name: sqlite_floor::NAME,
-    about: "raw rusqlite doing a capability's row writes with no logic: the floor",
-    run: sqlite_floor::run,
-}];
+const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: sqlite_floor::NAME,
+        about: "raw rusqlite doing a capability's row writes with no logic: the floor",
+        run: sqlite_floor::run,
+    },
+    Scenario {
+        name: host_calls::NAME,
+        about: "the object host: calls/s, open time, memory per object, alarm lateness",
+        run: host_calls::run,
+    },
+];
 
 /// What a scenario runs in: where to put files, how big to go, and how to
 /// show progress.
@@ -141,8 +174,9 @@ impl BenchEnv {
     }
 }
 
-/// Runs `durability bench`.
-pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
+/// Runs `durability bench`, writes the JSON file if asked, and returns the
+/// summary table to print.
+pub fn run(args: &BenchArgs) -> Result<String, BenchError> {
     let scenario = SCENARIOS
         .iter()
         .find(|s| s.name == args.scenario)
@@ -185,7 +219,6 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
     };
 
     let report = (scenario.run)(&env)?;
-    println!("{}", report.render());
 
     if let Some(path) = &args.json {
         let text =
@@ -199,7 +232,7 @@ pub fn run(args: &BenchArgs) -> Result<(), BenchError> {
             source,
         })?;
     }
-    Ok(())
+    Ok(report.render())
 }
 
 /// Times `op` once and records its latency.

@@ -62,6 +62,17 @@ impl Measurement {
         }
     }
 
+    /// Records how this rate compares with `floor`, the raw SQLite rate of
+    /// the same physical work.
+    pub fn compare_with_floor(&mut self, floor: &Measurement) {
+        let floor_rate = floor.ops_per_sec();
+        if floor_rate > 0.0 {
+            self.floor_ratio = Some(self.ops_per_sec() / floor_rate);
+            self.extra
+                .insert("floor".into(), Value::String(floor.name.clone()));
+        }
+    }
+
     /// Adds a scenario-specific field to the JSON.
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.extra.insert(key.into(), value.into());
@@ -96,7 +107,7 @@ pub struct Figure {
     /// The JSON key, with its unit in the name (`memory_per_live_object_bytes`).
     pub key: &'static str,
     /// The label shown in the table.
-    pub label: &'static str,
+    pub label: String,
     pub value: f64,
     /// The unit shown in the table.
     pub unit: &'static str,
@@ -203,7 +214,7 @@ impl ScenarioReport {
                 .set_header(vec!["figure", "value", "unit"]);
             for figure in &self.figures {
                 figures.add_row(vec![
-                    figure.label.to_owned(),
+                    figure.label.clone(),
                     format_figure(figure.value),
                     figure.unit.to_owned(),
                 ]);

@@ -33,12 +33,22 @@ const PAYLOAD_BYTES: usize = 64;
 /// the rows look like a capability's.
 const DUE_AFTER_MS: i64 = 30_000;
 
-const SCHEMA: &str = "
-    CREATE TABLE writes (
+/// The table of [`WRITE_SQL`]; host scenarios create the same one inside
+/// their objects so both sides write identical rows.
+pub const WRITES_TABLE_SQL: &str = "
+    CREATE TABLE IF NOT EXISTS writes (
         id INTEGER PRIMARY KEY,
         at_ms INTEGER NOT NULL,
         value TEXT NOT NULL
-    );
+    );";
+
+/// One small row: the write of the `write` floor and of a host call.
+pub const WRITE_SQL: &str = "INSERT INTO writes (at_ms, value) VALUES (?1, ?2)";
+
+/// The value [`WRITE_SQL`] stores.
+pub const WRITE_VALUE: &str = "a small value";
+
+const QUEUE_SCHEMA: &str = "
     CREATE TABLE messages (
         id INTEGER PRIMARY KEY,
         generation INTEGER NOT NULL,
@@ -55,7 +65,6 @@ const SCHEMA: &str = "
     CREATE INDEX due_index_by_time ON due_index (due_at_ms);
 ";
 
-const WRITE_SQL: &str = "INSERT INTO writes (at_ms, value) VALUES (?1, ?2)";
 const ENQUEUE_MESSAGE_SQL: &str = "INSERT INTO messages (id, generation, state, attempts, available_at_ms, payload) VALUES (?1, 1, 0, 0, ?2, ?3)";
 const ENQUEUE_DUE_SQL: &str = "INSERT INTO due_index (message_id, due_at_ms) VALUES (?1, ?2)";
 const CLAIM_MESSAGE_SQL: &str = "UPDATE messages SET state = 1, generation = generation + 1, attempts = attempts + 1 WHERE id = ?1 AND state = 0";
@@ -166,21 +175,11 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
 /// Measures the floor for one synchronous mode in a fresh database under
 /// the run's directory. Other scenarios call this to compute `floor_ratio`.
 pub fn measure(env: &BenchEnv, mode: SyncMode, sizes: FloorSizes) -> Result<Floor, BenchError> {
+    let write = measure_write(env, mode, sizes.single_ops)?;
+
     let dir = env.subdir(&format!("sqlite-floor-{}", mode.key()))?;
     let mut db = FloorDb::create(&dir.join("floor.sqlite"), mode)?;
     let prefix = mode.key();
-
-    let write = db.measure_single(
-        env,
-        &format!("{prefix}/write"),
-        "insert 1 row, own txn",
-        sizes.single_ops,
-        |conn, id| {
-            conn.prepare_cached(WRITE_SQL)?
-                .execute(params![id, "a small value"])?;
-            Ok(())
-        },
-    )?;
 
     let first = db.next_message;
     let enqueue = db.measure_single_txn(
@@ -247,6 +246,25 @@ pub fn measure(env: &BenchEnv, mode: SyncMode, sizes: FloorSizes) -> Result<Floo
     })
 }
 
+/// Measures only the cheapest durable write: one small row inserted and
+/// committed on its own, `ops` times, in a fresh database. This is the floor
+/// of a host call that does one SQL write.
+pub fn measure_write(env: &BenchEnv, mode: SyncMode, ops: u64) -> Result<Measurement, BenchError> {
+    let dir = env.subdir(&format!("sqlite-floor-{}-write", mode.key()))?;
+    let mut db = FloorDb::create(&dir.join("floor.sqlite"), mode)?;
+    db.measure_single(
+        env,
+        &format!("{}/write", mode.key()),
+        "insert 1 row, own txn",
+        ops,
+        |conn, id| {
+            conn.prepare_cached(WRITE_SQL)?
+                .execute(params![id, WRITE_VALUE])?;
+            Ok(())
+        },
+    )
+}
+
 /// One row-writing step on one message, run inside a transaction the caller
 /// opened.
 type Step = fn(&Connection, i64) -> rusqlite::Result<()>;
@@ -294,7 +312,8 @@ impl FloorDb {
             .map_err(sqlite("cannot switch the floor database to WAL"))?;
         conn.pragma_update(None, "synchronous", mode.key())
             .map_err(sqlite("cannot set synchronous on the floor database"))?;
-        conn.execute_batch(SCHEMA)
+        conn.execute_batch(WRITES_TABLE_SQL)
+            .and_then(|()| conn.execute_batch(QUEUE_SCHEMA))
             .map_err(sqlite("cannot create the floor schema"))?;
         Ok(FloorDb {
             conn,

@@ -1,0 +1,150 @@
+//! `durability inspect DIR`: lists every object of a data directory as a
+//! table or as JSON.
+//!
+//! It reads the files through `durability_host::inspect`, which opens them
+//! read-only and never constructs an object, so inspecting a directory that
+//! a running host serves changes nothing in it.
+
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use comfy_table::{CellAlignment, ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
+use durability_host::inspect::{ObjectSummary, list_objects};
+use serde_json::json;
+
+/// Arguments of `durability inspect`.
+#[derive(Debug, clap::Args)]
+pub struct InspectArgs {
+    /// The data directory to list (as given to `durability demo --data-dir`).
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
+    /// Print one JSON object (`data_dir`, `objects`) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Why a data directory could not be listed. A single unreadable object file
+/// is not an error: it is listed with its reason.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("cannot list the objects of {}: {source}", dir.display())]
+    List {
+        dir: PathBuf,
+        #[source]
+        source: durability_host::HostError,
+    },
+    #[error("cannot encode the listing as JSON: {source}")]
+    Json {
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Names longer than this are cut in the table (JSON has them whole).
+const TABLE_NAME_CHARS: usize = 40;
+
+/// Id digits shown in the table: enough to tell objects apart by eye.
+const TABLE_ID_CHARS: usize = 12;
+
+/// Runs `durability inspect` and returns what to print.
+pub fn run(args: &InspectArgs) -> Result<String, InspectError> {
+    let objects = list_objects(&args.dir).map_err(|source| InspectError::List {
+        dir: args.dir.clone(),
+        source,
+    })?;
+    if args.json {
+        let listing = json!({
+            "data_dir": args.dir.display().to_string(),
+            "objects": objects,
+        });
+        serde_json::to_string_pretty(&listing).map_err(|source| InspectError::Json { source })
+    } else {
+        Ok(render(&args.dir, &objects, now_ms()))
+    }
+}
+
+fn render(dir: &std::path::Path, objects: &[ObjectSummary], now_ms: i64) -> String {
+    if objects.is_empty() {
+        return format!("no objects in {}", dir.display());
+    }
+    let mut table = Table::new();
+    table
+        .load_preset(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(vec![
+            "namespace",
+            "name",
+            "id",
+            "alarm",
+            "size",
+            "rows per table",
+        ]);
+    for object in objects {
+        let tables = match &object.error {
+            Some(error) => format!("unreadable: {error}"),
+            None if object.tables.is_empty() => "-".into(),
+            None => object
+                .tables
+                .iter()
+                .map(|t| format!("{}={}", t.table, t.rows))
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        table.add_row(vec![
+            object
+                .namespace
+                .as_deref()
+                .map_or_else(|| "?".into(), shown),
+            object.name.as_deref().map_or_else(|| "-".into(), shown),
+            format!("{}…", object.id.get(..TABLE_ID_CHARS).unwrap_or(&object.id)),
+            object
+                .alarm_ms
+                .map_or_else(|| "-".into(), |at_ms| alarm(at_ms, now_ms)),
+            size(object.file_bytes),
+            tables,
+        ]);
+    }
+    if let Some(column) = table.column_mut(4) {
+        column.set_cell_alignment(CellAlignment::Right);
+    }
+    format!("{} objects in {}\n{table}", objects.len(), dir.display())
+}
+
+/// A name as a terminal may show it: control characters escaped, cut to
+/// [`TABLE_NAME_CHARS`].
+fn shown(name: &str) -> String {
+    let escaped: String = name.escape_debug().collect();
+    if escaped.chars().count() > TABLE_NAME_CHARS {
+        let cut: String = escaped.chars().take(TABLE_NAME_CHARS - 1).collect();
+        format!("{cut}…")
+    } else {
+        escaped
+    }
+}
+
+/// `<epoch ms> (in 3.2 s)` or `(12.0 s ago)`.
+fn alarm(at_ms: i64, now_ms: i64) -> String {
+    let delta_s = (at_ms - now_ms) as f64 / 1_000.0;
+    if delta_s >= 0.0 {
+        format!("{at_ms} (in {delta_s:.1} s)")
+    } else {
+        format!("{at_ms} ({:.1} s ago)", -delta_s)
+    }
+}
+
+fn size(bytes: u64) -> String {
+    const KIB: u64 = 1024;
+    if bytes >= KIB * KIB {
+        format!("{:.1} MiB", bytes as f64 / (KIB * KIB) as f64)
+    } else if bytes >= KIB {
+        format!("{:.1} KiB", bytes as f64 / KIB as f64)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
