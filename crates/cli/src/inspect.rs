@@ -148,3 +148,22 @@ fn now_ms() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_escaped_and_cut_for_the_terminal() {
+        assert_eq!(shown("inbox"), "inbox");
+        assert_eq!(shown("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        let long = "x".repeat(100);
+        assert_eq!(shown(&long).chars().count(), TABLE_NAME_CHARS);
+    }
+
+    #[test]
+    fn alarms_read_relative_to_now() {
+        assert_eq!(alarm(10_000, 7_000), "10000 (in 3.0 s)");
+        assert_eq!(alarm(7_000, 10_000), "7000 (3.0 s ago)");
+    }
+}

@@ -606,7 +606,7 @@ fn stubs_for(
 
 /// Runs `op(0..total)` with `callers` calls in flight and returns it as a
 /// measurement named `name` whose one operation is `what`.
-async fn drive<F, Fut>(
+pub(super) async fn drive<F, Fut>(
     env: &BenchEnv,
     name: &str,
     what: &str,
@@ -673,7 +673,7 @@ fn index(i: u64, len: usize) -> usize {
     usize::try_from(i % count(len).max(1)).unwrap_or(0)
 }
 
-fn count(n: usize) -> u64 {
+pub(super) fn count(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
 }
 

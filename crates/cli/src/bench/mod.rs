@@ -8,8 +8,10 @@
 //! measured in the same run, so a figure reads "x % of what the disk allows"
 //! rather than a number that only means something on this machine.
 
+mod alarms;
 mod host_calls;
 mod latency;
+mod operations;
 mod report;
 mod rss;
 mod sqlite_floor;
@@ -119,6 +121,16 @@ const SCENARIOS: &[Scenario] = &[
         name: host_calls::NAME,
         about: "the object host: calls/s, open time, memory per object, alarm lateness",
         run: host_calls::run,
+    },
+    Scenario {
+        name: operations::NAME,
+        about: "durable operations end to end: registration latency, ops/s on 1 and 100 objects",
+        run: operations::run,
+    },
+    Scenario {
+        name: alarms::NAME,
+        about: "named alarms: fired/s and lateness, live timers off and on",
+        run: alarms::run,
     },
 ];
 

@@ -251,3 +251,63 @@ fn format_figure(value: f64) -> String {
 fn round(value: f64) -> f64 {
     (value * 1_000.0).round() / 1_000.0
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measurement(name: &str, ops: u64, micros: &[u64]) -> Measurement {
+        let mut latency = match Latency::new() {
+            Ok(latency) => latency,
+            Err(error) => panic!("{error}"),
+        };
+        for &us in micros {
+            latency.record(Duration::from_micros(us));
+        }
+        Measurement::new(name, "one op", ops, Duration::from_secs(2), &latency)
+    }
+
+    #[test]
+    fn json_heads_with_the_headline_measurement() {
+        let report = ScenarioReport {
+            scenario: "example",
+            quick: true,
+            headline: "b".into(),
+            measurements: vec![
+                measurement("a", 10, &[1]),
+                measurement("b", 100, &[100, 200]),
+            ],
+            figures: vec![Figure {
+                key: "memory_per_live_object_bytes",
+                label: "memory".into(),
+                value: 1234.0,
+                unit: "bytes",
+            }],
+            notes: Vec::new(),
+        };
+        let json = report.to_json();
+        assert_eq!(json["scenario"], "example");
+        assert_eq!(json["ops_per_sec"], 50.0);
+        assert!(
+            json["p50_us"]
+                .as_f64()
+                .is_some_and(|p| (99.0..=101.0).contains(&p))
+        );
+        assert!(
+            json["p99_us"]
+                .as_f64()
+                .is_some_and(|p| (199.0..=201.0).contains(&p))
+        );
+        assert_eq!(json["measurements"][1]["name"], "b");
+        assert_eq!(json["figures"]["memory_per_live_object_bytes"], 1234.0);
+    }
+
+    #[test]
+    fn floor_ratio_divides_the_rate_by_the_floor_rate() {
+        let floor = measurement("floor", 100, &[1]);
+        let mut host = measurement("host", 50, &[1]);
+        host.compare_with_floor(&floor);
+        assert_eq!(host.floor_ratio, Some(0.5));
+        assert_eq!(host.to_json()["floor"], "floor");
+    }
+}

@@ -1,0 +1,205 @@
+//! The `durability` binary as a user runs it: the real built executable in
+//! a child process, on real files in temporary directories. Assertions are
+//! about exit codes and what the output says, never about timing.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn durability(args: &[&str]) -> Output {
+    match Command::new(env!("CARGO_BIN_EXE_durability"))
+        .args(args)
+        .output()
+    {
+        Ok(output) => output,
+        Err(error) => panic!("cannot run the durability binary: {error}"),
+    }
+}
+
+fn succeeded(output: &Output) -> bool {
+    if !output.status.success() {
+        eprintln!(
+            "status: {}\nstdout:\n{}\nstderr:\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    output.status.success()
+}
+
+fn json_of(text: &[u8]) -> Value {
+    match serde_json::from_slice(text) {
+        Ok(value) => value,
+        Err(error) => panic!("not JSON ({error}):\n{}", String::from_utf8_lossy(text)),
+    }
+}
+
+fn path_arg(path: &Path) -> &str {
+    path.to_str()
+        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
+}
+
+#[test]
+fn help_lists_every_subcommand() {
+    let output = durability(&["--help"]);
+    assert!(succeeded(&output));
+    let help = String::from_utf8_lossy(&output.stdout);
+    for command in ["demo", "inspect", "bench"] {
+        assert!(
+            help.contains(command),
+            "--help does not mention {command}:\n{help}"
+        );
+    }
+}
+
+#[test]
+fn bench_help_lists_every_scenario() {
+    let output = durability(&["bench", "--help"]);
+    assert!(succeeded(&output));
+    let help = String::from_utf8_lossy(&output.stdout);
+    for scenario in ["sqlite-floor", "host-calls"] {
+        assert!(
+            help.contains(scenario),
+            "bench --help does not mention {scenario}:\n{help}"
+        );
+    }
+}
+
+#[test]
+fn demo_then_inspect_lists_the_objects_it_created() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let data = dir.path().join("data");
+
+    let demo = durability(&["demo", "--data-dir", path_arg(&data), "--json"]);
+    assert!(succeeded(&demo));
+    let summary = json_of(&demo.stdout);
+    assert_eq!(summary["objects"], 4);
+    assert_eq!(summary["alarms_fired"], 4);
+    assert_eq!(summary["notes_stored"], 20);
+
+    let inspect = durability(&["inspect", path_arg(&data), "--json"]);
+    assert!(succeeded(&inspect));
+    let listing = json_of(&inspect.stdout);
+    let objects = listing["objects"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no objects array in {listing}"));
+    let names: Vec<&str> = objects.iter().filter_map(|o| o["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        ["notebook-0", "notebook-1", "notebook-2", "notebook-3"]
+    );
+    for object in objects {
+        assert_eq!(object["namespace"], "notebooks");
+        assert_eq!(object["error"], Value::Null);
+        // Every alarm fired and none was set again.
+        assert_eq!(object["alarm_ms"], Value::Null);
+        assert!(object["file_bytes"].as_u64().unwrap_or(0) > 0);
+        let rows = |table: &str| {
+            object["tables"]
+                .as_array()
+                .and_then(|tables| tables.iter().find(|t| t["table"] == table))
+                .and_then(|t| t["rows"].as_u64())
+        };
+        assert_eq!(rows("notes"), Some(5));
+        assert_eq!(rows("alarm_runs"), Some(1));
+    }
+}
+
+#[test]
+fn a_second_demo_run_continues_on_the_same_directory() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let data = path_arg(dir.path());
+    assert!(succeeded(&durability(&[
+        "demo",
+        "--data-dir",
+        data,
+        "--objects",
+        "2",
+        "--json"
+    ])));
+    let second = durability(&["demo", "--data-dir", data, "--objects", "2", "--json"]);
+    assert!(succeeded(&second));
+    let summary = json_of(&second.stdout);
+    assert_eq!(summary["notes_written"], 10);
+    assert_eq!(summary["notes_stored"], 20);
+    assert_eq!(summary["alarm_runs_stored"], 4);
+}
+
+#[test]
+fn inspect_of_an_empty_directory_lists_nothing() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = durability(&["inspect", path_arg(dir.path()), "--json"]);
+    assert!(succeeded(&output));
+    assert_eq!(json_of(&output.stdout)["objects"], Value::Array(Vec::new()));
+}
+
+#[test]
+fn inspect_of_a_missing_directory_fails_with_a_typed_message() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let missing = dir.path().join("no-such-dir");
+    let output = durability(&["inspect", path_arg(&missing)]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("cannot list the objects of"),
+        "stderr: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}
+
+#[test]
+fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let json = dir.path().join("floor.json");
+    let output = durability(&[
+        "bench",
+        "sqlite-floor",
+        "--quick",
+        "--json",
+        path_arg(&json),
+        "--data-dir",
+        path_arg(&dir.path().join("bench")),
+    ]);
+    assert!(succeeded(&output));
+    let text = std::fs::read(&json).unwrap_or_else(|e| panic!("no JSON file written: {e}"));
+    let result = json_of(&text);
+    assert_eq!(result["scenario"], "sqlite-floor");
+    for field in ["ops_per_sec", "p50_us", "p99_us"] {
+        let value = result[field].as_f64();
+        assert!(
+            value.is_some_and(|v| v > 0.0),
+            "{field} is {:?}",
+            result[field]
+        );
+    }
+    let measurements = result["measurements"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no measurements in {result}"));
+    let names: Vec<&str> = measurements
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    for name in [
+        "full/write",
+        "full/enqueue",
+        "full/enqueue-batch100",
+        "normal/enqueue",
+    ] {
+        assert!(names.contains(&name), "{name} missing from {names:?}");
+    }
+    // The summary table goes to stdout as well.
+    assert!(String::from_utf8_lossy(&output.stdout).contains("full/enqueue"));
+}
+
+#[test]
+fn bench_rejects_an_unknown_scenario() {
+    let output = durability(&["bench", "no-such-scenario"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("sqlite-floor"),
+        "stderr should list the scenarios: {stderr}"
+    );
+}
