@@ -50,7 +50,9 @@ impl OpsObject {
             None
         });
         let operations = Operations::builder(&scheduler)
-            .handler("noop", |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) })
+            .handler("noop", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
             .on_lifecycle_event(hook)
             .build()?;
         Ok(OpsObject {
