@@ -11,6 +11,7 @@ pub mod alarms;
 pub mod codec;
 pub mod error;
 pub mod lifecycle;
+pub mod log;
 pub mod memo;
 pub mod migrations;
 pub mod operations;
@@ -20,5 +21,6 @@ pub mod scheduler;
 
 pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+pub use log::{Log, LogBuilder, LogError};
 pub use operations::{DurableCall, OperationResult, Operations, OperationsBuilder, Registration};
 pub use scheduler::{AbortSignal, AlarmRetryInfo, Scheduler, SchedulerBuilder};

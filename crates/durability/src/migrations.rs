@@ -45,6 +45,12 @@ pub const OPERATIONS_CAPABILITY: &str = "operations";
 pub const NAMED_ALARMS_CAPABILITY: &str = "namedAlarms";
 /// The capability name of memos.
 pub const MEMOS_CAPABILITY: &str = "memos";
+/// The capability name of fanout.
+pub const FANOUT_CAPABILITY: &str = "fanout";
+/// The capability name of the retained log.
+pub const LOG_CAPABILITY: &str = "log";
+/// The capability name of the retained log's consumer leases.
+pub const LOG_LEASES_CAPABILITY: &str = "logLeases";
 
 /// One schema change and the script that undoes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -565,3 +571,161 @@ CREATE INDEX durability_alarms_pending_idx ON durability_alarms (status, next_at
         ),
     },
 ];
+
+/// The migrations of fanout (`durability_fanout_*`, queues.md §3.4).
+///
+/// 0005 creates the reference's three tables with its column names, so a
+/// database stays readable by the reference library, but with indexes chosen
+/// for this port's queries (see `fanout::store`): the due work of one target
+/// is two partial indexes that split the rows in two, first deliveries
+/// (`phase = 'delivery' AND attempt = 0`) and everything claimed at least
+/// once (`attempt > 0`, dead-letter intent included), each ordered by due
+/// time within the target. A pass therefore reads only rows that are due,
+/// whatever the backlog, and each row lives in one of the two at a time. The
+/// `(status, next_attempt_at)` index answers the scheduler's "earliest
+/// pending time". The reference's `created_at` index is left out: nothing of
+/// fanout searches by creation time.
+///
+/// 0009 is this port's departure: terminal deliveries without a DLQ are
+/// parked in the object's own table instead of dropped (issue 4). It is a
+/// separate migration so that the reference library, which does not know it,
+/// sees a schema one migration ahead of it (and may revert it) rather than a
+/// different 0005.
+pub const FANOUT_MIGRATIONS: &[Migration] = &[
+    Migration {
+        name: "durability_0005_create_fanout",
+        up: "CREATE TABLE durability_fanout_messages (
+  key TEXT PRIMARY KEY,
+  id TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  targets TEXT NOT NULL,
+  remaining INTEGER NOT NULL,
+  seq INTEGER NOT NULL,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL
+);
+CREATE TABLE durability_fanout_deliveries (
+  id TEXT PRIMARY KEY,
+  message_key TEXT NOT NULL,
+  target_id TEXT NOT NULL,
+  seq INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending')),
+  phase TEXT NOT NULL CHECK (phase IN ('delivery', 'dead_letter')),
+  attempt INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at INTEGER NOT NULL,
+  last_error TEXT,
+  last_error_name TEXT,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL,
+  dead_lettered_at INTEGER,
+  dead_letter_reason TEXT CHECK (dead_letter_reason IN ('explicit', 'exhausted'))
+);
+CREATE INDEX durability_fanout_deliveries_due_idx ON durability_fanout_deliveries (target_id, next_attempt_at, seq) WHERE phase = 'delivery' AND attempt = 0;
+CREATE INDEX durability_fanout_deliveries_retry_idx ON durability_fanout_deliveries (target_id, next_attempt_at) WHERE attempt > 0;
+CREATE INDEX durability_fanout_deliveries_pending_idx ON durability_fanout_deliveries (status, next_attempt_at);
+CREATE TABLE durability_fanout_seq (
+  id INTEGER PRIMARY KEY CHECK (id = 1),
+  next_seq INTEGER NOT NULL
+);
+INSERT INTO durability_fanout_seq (id, next_seq) VALUES (1, 0);",
+        down: "DROP INDEX durability_fanout_deliveries_pending_idx;
+DROP INDEX durability_fanout_deliveries_retry_idx;
+DROP INDEX durability_fanout_deliveries_due_idx;
+DROP TABLE durability_fanout_deliveries;
+DROP TABLE durability_fanout_messages;
+DROP TABLE durability_fanout_seq;",
+    },
+    Migration {
+        name: "durability_0009_create_fanout_parked",
+        up: "CREATE TABLE durability_fanout_parked (
+  id TEXT PRIMARY KEY,
+  message_id TEXT NOT NULL,
+  message_key TEXT NOT NULL,
+  target_id TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  enqueued_at INTEGER NOT NULL,
+  parked_at INTEGER NOT NULL,
+  attempts INTEGER NOT NULL,
+  reason TEXT NOT NULL CHECK (reason IN ('explicit', 'exhausted')),
+  error_name TEXT,
+  error_message TEXT
+);
+CREATE INDEX durability_fanout_parked_at_idx ON durability_fanout_parked (parked_at, id);",
+        down: "DROP INDEX durability_fanout_parked_at_idx;
+DROP TABLE durability_fanout_parked;",
+    },
+];
+
+/// The migrations of the retained log (§5.4, capability `log`).
+///
+/// `durability_log_records` always holds one dense run of offsets (appends
+/// add at the end, trims remove from the front), so its row count is
+/// `next_offset - MIN("offset")` and is never counted. The reference's
+/// `(appended_at, "offset")` index is left out: no query of this port
+/// searches by time (trim walks the oldest offsets), so it would only cost a
+/// write per record. `durability_log_cursors_offset_idx` answers the slowest
+/// cursor (`load`) without scanning every consumer.
+pub const LOG_MIGRATIONS: &[Migration] = &[Migration {
+    name: "durability_0006_create_log",
+    up: "CREATE TABLE durability_log_records (
+  \"offset\" INTEGER PRIMARY KEY,
+  dedup_key TEXT NOT NULL UNIQUE,
+  payload TEXT NOT NULL,
+  bytes INTEGER NOT NULL,
+  appended_at INTEGER NOT NULL
+);
+CREATE TABLE durability_log_cursors (
+  consumer TEXT PRIMARY KEY,
+  \"offset\" INTEGER NOT NULL,
+  committed_at INTEGER NOT NULL
+);
+CREATE INDEX durability_log_cursors_offset_idx ON durability_log_cursors (\"offset\");
+CREATE TABLE durability_log_segments (
+  first_offset INTEGER PRIMARY KEY,
+  last_offset INTEGER NOT NULL,
+  locator TEXT NOT NULL,
+  bytes INTEGER NOT NULL,
+  flushed_at INTEGER NOT NULL
+);
+CREATE TABLE durability_log_seq (
+  id INTEGER PRIMARY KEY CHECK (id = 1),
+  next_offset INTEGER NOT NULL,
+  total_bytes INTEGER NOT NULL
+);
+INSERT INTO durability_log_seq (id, next_offset, total_bytes) VALUES (1, 0, 0);",
+    down: "DROP TABLE durability_log_seq;
+DROP TABLE durability_log_segments;
+DROP INDEX durability_log_cursors_offset_idx;
+DROP TABLE durability_log_cursors;
+DROP TABLE durability_log_records;",
+}];
+
+/// The migrations of the log's consumer leases (§5.4, capability
+/// `logLeases`), applied only when a log is built with leases.
+///
+/// A nacked range is stored as `pending` with `expires_at = 0`, so the
+/// claim index returns a consumer's owed ranges already ordered by
+/// `first_offset`.
+pub const LOG_LEASES_MIGRATIONS: &[Migration] = &[Migration {
+    name: "durability_0007_create_log_leases",
+    up: "CREATE TABLE durability_log_leases (
+  batch_id TEXT PRIMARY KEY,
+  consumer TEXT NOT NULL,
+  first_offset INTEGER NOT NULL,
+  last_offset INTEGER NOT NULL,
+  state TEXT NOT NULL CHECK (state IN ('active', 'pending', 'acked', 'skipped')),
+  attempt INTEGER NOT NULL CHECK (attempt >= 1),
+  expires_at INTEGER NOT NULL,
+  created_at INTEGER NOT NULL
+);
+CREATE INDEX durability_log_leases_claim_idx ON durability_log_leases (consumer, state, expires_at, first_offset);
+CREATE INDEX durability_log_leases_order_idx ON durability_log_leases (consumer, first_offset);
+CREATE TABLE durability_log_allocations (
+  consumer TEXT PRIMARY KEY,
+  allocated_offset INTEGER NOT NULL
+);",
+    down: "DROP TABLE durability_log_allocations;
+DROP INDEX durability_log_leases_order_idx;
+DROP INDEX durability_log_leases_claim_idx;
+DROP TABLE durability_log_leases;",
+}];
