@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::context::ObjectContext;
 use crate::host::HostCore;
 use crate::id::object_path;
-use crate::index::IndexedAlarm;
+use crate::index::{IndexWrite, IndexedAlarm};
 use crate::storage::ObjectStorage;
 use crate::{BoxError, CallError, DurableObject};
 
@@ -516,7 +516,11 @@ impl Executor {
         match storage.committed_alarm() {
             // A stale index entry: the object's own row is the truth.
             None => {
-                if let Err(error) = self.core.index.set(&id, &entry.namespace, None) {
+                if let Err(error) =
+                    self.core
+                        .index
+                        .set(&id, &entry.namespace, None, IndexWrite::Relaxed)
+                {
                     tracing::warn!(object = %id, %error, "stale alarm index entry not removed");
                 }
                 return;

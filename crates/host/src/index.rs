@@ -31,7 +31,27 @@ pub(crate) struct IndexedAlarm {
 /// The index database. A std `Mutex` because no await happens while it is
 /// held: each use is one short statement.
 pub(crate) struct AlarmIndex {
-    conn: Mutex<Connection>,
+    conn: Mutex<IndexConnection>,
+    synchronous: Synchronous,
+}
+
+struct IndexConnection {
+    conn: Connection,
+    /// The `synchronous` setting the connection has now.
+    current: Synchronous,
+}
+
+/// How durable an index write must be before it returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum IndexWrite {
+    /// The index is lowered before an object commits an earlier alarm: it
+    /// must reach the disk first, with the host's `synchronous` setting.
+    Lowering,
+    /// Any other write (exact update after a commit, cleanup). Losing it in
+    /// a power cut leaves the index early or stale, which is allowed, so it
+    /// skips the fsync (`synchronous=NORMAL`); a later durable commit of
+    /// the same WAL makes it durable too.
+    Relaxed,
 }
 
 impl AlarmIndex {
@@ -53,23 +73,39 @@ impl AlarmIndex {
         )
         .map_err(storage_error)?;
         Ok(AlarmIndex {
-            conn: Mutex::new(conn),
+            conn: Mutex::new(IndexConnection {
+                conn,
+                current: synchronous,
+            }),
+            synchronous,
         })
     }
 
     fn with<T>(
         &self,
+        write: Option<IndexWrite>,
         f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
     ) -> Result<T, StorageError> {
-        let conn = self.conn.lock().map_err(|_| StorageError::Unavailable {
+        let mut guard = self.conn.lock().map_err(|_| StorageError::Unavailable {
             message: "the alarm index lock is poisoned".into(),
         })?;
-        f(&conn).map_err(storage_error)
+        let wanted = match write {
+            Some(IndexWrite::Relaxed) => Synchronous::Normal,
+            Some(IndexWrite::Lowering) | None => self.synchronous,
+        };
+        if write.is_some() && guard.current != wanted {
+            guard
+                .conn
+                .pragma_update(None, "synchronous", wanted.pragma())
+                .map_err(storage_error)?;
+            guard.current = wanted;
+        }
+        f(&guard.conn).map_err(storage_error)
     }
 
     /// Every indexed alarm (read once when the host starts).
     pub(crate) fn all(&self) -> Result<Vec<IndexedAlarm>, StorageError> {
-        self.with(|conn| {
+        self.with(None, |conn| {
             let mut stmt = conn.prepare("SELECT id, namespace, at_ms FROM alarms")?;
             let rows = stmt.query_map([], |row| {
                 Ok(IndexedAlarm {
@@ -84,7 +120,7 @@ impl AlarmIndex {
 
     /// The indexed time of one object.
     pub(crate) fn get(&self, id: &ObjectId) -> Result<Option<EpochMs>, StorageError> {
-        self.with(|conn| {
+        self.with(None, |conn| {
             conn.prepare_cached("SELECT at_ms FROM alarms WHERE id = ?1")?
                 .query_row(params![id.as_str()], |row| row.get(0))
                 .optional()
@@ -97,8 +133,9 @@ impl AlarmIndex {
         id: &ObjectId,
         namespace: &str,
         at_ms: Option<EpochMs>,
+        write: IndexWrite,
     ) -> Result<(), StorageError> {
-        self.with(|conn| {
+        self.with(Some(write), |conn| {
             match at_ms {
                 Some(at_ms) => conn
                     .prepare_cached(

@@ -22,7 +22,7 @@ use rusqlite::{Connection, OpenFlags, params};
 use crate::Synchronous;
 use crate::error::{closed_error, storage_error};
 use crate::executor::Executor;
-use crate::index::AlarmIndex;
+use crate::index::{AlarmIndex, IndexWrite};
 
 /// The host's tables inside every object file. Capabilities use other names.
 pub(crate) const META_TABLE: &str = "_durability_host_meta";
@@ -114,7 +114,12 @@ impl ObjectStorage {
         if indexed != recorded.alarm {
             // The file is the truth: a crash between the two commits (or a
             // lost index) left the index early or stale; make it exact.
-            index.set(&id, &namespace, recorded.alarm)?;
+            let write = match (recorded.alarm, indexed) {
+                (Some(at), Some(indexed)) if at < indexed => IndexWrite::Lowering,
+                (Some(_), None) => IndexWrite::Lowering,
+                _ => IndexWrite::Relaxed,
+            };
+            index.set(&id, &namespace, recorded.alarm, write)?;
             indexed = recorded.alarm;
         }
         let storage = ObjectStorage {
@@ -307,7 +312,10 @@ impl ObjectStorage {
             // Lower the index before the file can hold an earlier alarm: a
             // crash after this commit must still find the object due.
             if self.indexed.get().is_none_or(|indexed| at < indexed) {
-                if let Err(error) = self.index.set(&self.id, &self.namespace, Some(at)) {
+                if let Err(error) =
+                    self.index
+                        .set(&self.id, &self.namespace, Some(at), IndexWrite::Lowering)
+                {
                     self.rollback();
                     return Err(error);
                 }
@@ -331,7 +339,10 @@ impl ObjectStorage {
         self.hidden.set(false);
         self.changed.set(true);
         if self.indexed.get() != alarm {
-            match self.index.set(&self.id, &self.namespace, alarm) {
+            match self
+                .index
+                .set(&self.id, &self.namespace, alarm, IndexWrite::Relaxed)
+            {
                 Ok(()) => self.indexed.set(alarm),
                 // The index stays earlier than (or as stale as) the file,
                 // which costs at most a spurious wake.
