@@ -109,3 +109,54 @@ async fn a_panicking_factory_is_a_typed_error_and_the_executor_keeps_serving() {
     })
     .await;
 }
+
+/// An object that reports each alarm delivery on a channel.
+struct Reporting {
+    ctx: durability_host::ObjectContext,
+    fired: tokio::sync::mpsc::UnboundedSender<(String, i64)>,
+}
+
+impl durability_host::DurableObject for Reporting {
+    async fn alarm(
+        &self,
+        _info: durability_host::AlarmInfo,
+    ) -> Result<(), durability_host::BoxError> {
+        use durability_platform::Context;
+        let _ = self.fired.send((
+            self.ctx.name().unwrap_or_default().to_owned(),
+            self.ctx.now_ms(),
+        ));
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_mode_host_delivers_due_alarms_of_many_objects() {
+    use durability_platform::Context;
+    let dir = tempfile::tempdir().unwrap();
+    let host = Host::builder(dir.path()).threads(3).build().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let ns = host
+        .namespace("reporting", move |ctx| {
+            Ok(Reporting {
+                ctx,
+                fired: tx.clone(),
+            })
+        })
+        .unwrap();
+    let past = host.now_ms() - 1_000;
+    for i in 0..20 {
+        ns.stub(&format!("r{i}"))
+            .unwrap()
+            .call(move |o: Rc<Reporting>| async move { o.ctx.storage().set_alarm(past).await })
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let mut names = std::collections::BTreeSet::new();
+    while names.len() < 20 {
+        let (name, _at) = rx.recv().await.unwrap();
+        assert!(names.insert(name), "each alarm is delivered once");
+    }
+    host.shutdown().await;
+}
