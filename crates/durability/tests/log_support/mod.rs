@@ -14,6 +14,9 @@ use durability::log::{AppendRecord, ColdError, ColdStorage, Log, LogBuilder, Seg
 use durability::platform::LocalBoxFuture;
 use serde_json::{Value, json};
 
+/// Looks at a segment as it is written.
+pub type WriteHook = Box<dyn Fn(&Segment)>;
+
 /// A cold store in memory. Cloning shares it. Switches make writes fail or
 /// return an empty locator, and `damage` and `lose` change what was stored,
 /// to play the external store that the index outlives.
@@ -25,7 +28,7 @@ pub struct MemoryCold {
     pub writes: Rc<Cell<usize>>,
     pub reads: Rc<Cell<usize>>,
     /// Called with each segment as it is written, before it is stored.
-    pub on_write: Rc<RefCell<Option<Box<dyn Fn(&Segment)>>>>,
+    pub on_write: Rc<RefCell<Option<WriteHook>>>,
 }
 
 impl MemoryCold {
