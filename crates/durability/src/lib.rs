@@ -10,7 +10,9 @@ pub use durability_platform as platform;
 pub mod alarms;
 pub mod codec;
 pub mod error;
+pub mod fanout;
 pub mod lifecycle;
+pub mod load;
 pub mod log;
 pub mod memo;
 pub mod migrations;
@@ -21,6 +23,8 @@ pub mod scheduler;
 
 pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+pub use fanout::{Fanout, FanoutBuilder};
+pub use load::{Load, LoadSnapshot};
 pub use log::{Log, LogBuilder, LogError};
 pub use operations::{DurableCall, OperationResult, Operations, OperationsBuilder, Registration};
 pub use scheduler::{AbortSignal, AlarmRetryInfo, Scheduler, SchedulerBuilder};
