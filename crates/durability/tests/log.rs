@@ -716,6 +716,10 @@ async fn cursors_are_listed_by_name_and_load_reports_the_furthest_behind_as_back
         assert_eq!(load.window_ms, 60_000);
         let appended = log.append(records(10, 2)).await.unwrap();
         assert_eq!(appended.load().outbound.pending_deliveries, 9);
+        let wire = serde_json::to_value(&appended).unwrap();
+        assert_eq!(wire["success"], json!(true));
+        assert_eq!(wire["value"], json!([10, 11]));
+        assert_eq!(wire["load"]["outbound"]["pendingDeliveries"], json!(9));
         assert!(matches!(
             log.commit("", 1).await,
             Err(LogError::InvalidArgument {

@@ -64,13 +64,11 @@
 
 mod cold;
 mod leases;
-mod load;
 mod retention;
 mod store;
 
 pub use cold::{ColdError, ColdStorage, Segment, SegmentRecord};
 pub use leases::{Lease, Leases, PoisonHook, PoisonedRange};
-pub use load::{LOAD_WINDOW_MS, LoadSnapshot, OutboundStats, ProcessingStats};
 pub use retention::{MAX_LOG_BYTES, Retention};
 
 use std::cell::RefCell;
@@ -86,6 +84,7 @@ use thiserror::Error;
 
 use crate::codec::{self, CodecError};
 use crate::error::{ConfigError, DurabilityError, SerializedError};
+use crate::load::{Direction, Load, LoadSnapshot};
 use crate::migrations::{
     self, LOG_CAPABILITY, LOG_LEASES_CAPABILITY, LOG_LEASES_MIGRATIONS, LOG_MIGRATIONS,
     MigrationReport, MigrationTarget,
@@ -94,7 +93,6 @@ use crate::record::DurableTable;
 use crate::scheduler::{Engine, Participant, Scheduler};
 
 use leases::LeaseConfig;
-use load::AppendCounters;
 use retention::Limits;
 use store::{SegmentRow, StoredRecord};
 
@@ -253,6 +251,29 @@ impl Appended {
     }
 }
 
+/// The reference library's wire shape: `{"success": true, "value":
+/// [offsets], "load": ..}` or `{"success": false, "error": {"name":
+/// "LogAppendError", "message": ..}, "load": ..}`.
+impl Serialize for Appended {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(3))?;
+        match self {
+            Appended::Accepted { offsets, load } => {
+                map.serialize_entry("success", &true)?;
+                map.serialize_entry("value", offsets)?;
+                map.serialize_entry("load", load)?;
+            }
+            Appended::Rejected { error, load } => {
+                map.serialize_entry("success", &false)?;
+                map.serialize_entry("error", &error.serialize())?;
+                map.serialize_entry("load", load)?;
+            }
+        }
+        map.end()
+    }
+}
+
 /// Why an append was rejected. Nothing of a rejected batch is written.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
@@ -369,6 +390,7 @@ pub struct LogBuilder<B> {
     retention: Option<Retention>,
     cold: Option<Rc<dyn ColdStorage>>,
     leases: Option<Leases>,
+    routing: Option<Load>,
     _body: PhantomData<fn() -> B>,
 }
 
@@ -402,6 +424,13 @@ where
         self
     }
 
+    /// Counts this log's appends in `load`, shared with other capabilities
+    /// of the object (their numbers add up). Default: counters of its own.
+    pub fn routing(mut self, load: Load) -> Self {
+        self.routing = Some(load);
+        self
+    }
+
     /// Validates the options, migrates the schema and claims the log's
     /// tables on the scheduler (one log per object).
     pub fn build(self) -> Result<Log<B>, DurabilityError> {
@@ -427,7 +456,9 @@ where
             trim_lock: tokio::sync::Mutex::new(()),
             lease_lock: tokio::sync::Mutex::new(()),
             cold_cache: RefCell::new(None),
-            appends: AppendCounters::default(),
+            load: self
+                .routing
+                .unwrap_or_else(|| Load::for_context(&engine.ctx)),
         });
         let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
         engine.register(LOG_RECORDS, Rc::downgrade(&participant))?;
@@ -486,7 +517,9 @@ struct Inner {
     // `max_batch_size` records; keyed by its whole index row, so a re-index
     // or a forget makes it unreachable.
     cold_cache: RefCell<Option<(SegmentRow, Rc<Vec<SegmentRecord>>)>>,
-    appends: AppendCounters,
+    // Inbound: one unit per append call (accepted, rejected or failed). The
+    // log records no outbound work: consumers pull.
+    load: Load,
 }
 
 impl Participant for Inner {
@@ -577,6 +610,7 @@ where
             retention: None,
             cold: None,
             leases: None,
+            routing: None,
             _body: PhantomData,
         }
     }
@@ -617,12 +651,11 @@ where
     /// (retry it with keys to make the retry safe).
     pub async fn append(&self, records: Vec<AppendRecord<B>>) -> Result<Appended, LogError> {
         let inner = &self.inner;
-        let started = inner.appends.begin(inner.engine.now());
+        let in_flight = inner.load.begin(Direction::Inbound);
         let outcome = self.append_batch(records);
-        let now = inner.engine.now();
-        inner.appends.finish(started, now);
+        in_flight.finish();
         let (outcome, pending) = outcome?;
-        let load = inner.appends.snapshot(now, pending);
+        let load = inner.load.snapshot(pending);
         Ok(match outcome {
             Ok(offsets) => Appended::Accepted { offsets, load },
             Err(error) => Appended::Rejected { error, load },
@@ -985,7 +1018,7 @@ fn bounds(sql: &dyn Sql) -> Result<LogBounds, StorageError> {
 
 impl Inner {
     fn load_snapshot(&self) -> Result<LoadSnapshot, LogError> {
-        Ok(self.appends.snapshot(self.engine.now(), self.pending()?))
+        Ok(self.load.snapshot(self.pending()?))
     }
 
     /// The backlog: how far the slowest consumer is behind.
