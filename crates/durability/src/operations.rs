@@ -648,14 +648,21 @@ impl Participant for Inner {
                     (id, outcome)
                 })
                 .await;
-            // One failing operation must not hold back the others: its
-            // record stays pending and the next pass retries it.
+            // One failing operation must not hold back the others: every
+            // item ran. Its record stays pending and due, though, so the
+            // failure must fail the run: a successful run would reconcile
+            // and re-arm the in-memory timer for that past-due record at
+            // once, looping without pause (a row that does not decode never
+            // stops failing). A failed run arms the fallback alarm instead,
+            // which retries after `alarm_min_delay`.
+            let mut first_error = None;
             for (id, outcome) in results {
                 if let Err(error) = outcome {
                     tracing::error!(id = %id, %error, "operation execution failed");
+                    first_error.get_or_insert(error);
                 }
             }
-            Ok(())
+            first_error.map_or(Ok(()), Err)
         })
     }
 }

@@ -239,8 +239,12 @@ impl Events {
             .iter()
             .filter(|event| event.entity().is_none_or(|entity| entity.id() == id))
             .map(|event| match event {
-                LifecycleEvent::AttemptStarted { attempt, .. } => format!("attempt_started {attempt}"),
-                LifecycleEvent::AttemptSettled { attempt, outcome, .. } => {
+                LifecycleEvent::AttemptStarted { attempt, .. } => {
+                    format!("attempt_started {attempt}")
+                }
+                LifecycleEvent::AttemptSettled {
+                    attempt, outcome, ..
+                } => {
                     let outcome = match outcome {
                         Outcome::Completed { .. } => "completed",
                         Outcome::RetryScheduled { .. } => "retry_scheduled",
