@@ -11,6 +11,7 @@
 mod alarms;
 mod host_calls;
 mod latency;
+mod log;
 mod operations;
 mod report;
 mod rss;
@@ -126,6 +127,11 @@ const SCENARIOS: &[Scenario] = &[
         name: operations::NAME,
         about: "durable operations end to end: registration latency, ops/s on 1 and 100 objects",
         run: operations::run,
+    },
+    Scenario {
+        name: log::NAME,
+        about: "retained log: appends/s in batches of 1 and 100, hot and cold reads, trim to cold",
+        run: log::run,
     },
     Scenario {
         name: alarms::NAME,

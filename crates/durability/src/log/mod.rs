@@ -94,7 +94,7 @@ use crate::scheduler::{Engine, Participant, Scheduler};
 
 use leases::LeaseConfig;
 use retention::Limits;
-use store::{SegmentRow, StoredRecord};
+use store::SegmentRow;
 
 /// The hot record table, the name under which the log claims its place on
 /// the scheduler.
@@ -143,7 +143,8 @@ impl<B> AppendRecord<B> {
 pub struct LogRecord<B> {
     /// Its offset: dense, from 0, in append order.
     pub offset: u64,
-    /// Its deduplication key (a generated UUID when the append had none).
+    /// Its deduplication key; when the append had none, a generated
+    /// `<random instance id>:<offset in hex>`.
     pub key: String,
     /// The body.
     pub body: B,
@@ -456,6 +457,7 @@ where
             trim_lock: tokio::sync::Mutex::new(()),
             lease_lock: tokio::sync::Mutex::new(()),
             cold_cache: RefCell::new(None),
+            key_prefix: engine.new_generation(),
             load: self
                 .routing
                 .unwrap_or_else(|| Load::for_context(&engine.ctx)),
@@ -517,6 +519,8 @@ struct Inner {
     // `max_batch_size` records; keyed by its whole index row, so a re-index
     // or a forget makes it unreachable.
     cold_cache: RefCell<Option<(SegmentRow, Rc<Vec<SegmentRecord>>)>>,
+    // The prefix of generated deduplication keys: a random UUID per instance.
+    key_prefix: String,
     // Inbound: one unit per append call (accepted, rejected or failed). The
     // log records no outbound work: consumers pull.
     load: Load,
@@ -721,8 +725,9 @@ where
                 }
                 None => {
                     slots.push(prepared.len());
+                    // Named once its offset is known (see below).
                     prepared.push(Prepared {
-                        key: inner.engine.new_generation(),
+                        key: String::new(),
                         keyed: false,
                         payload,
                     });
@@ -772,15 +777,25 @@ where
                     });
                 }
                 let bytes = u64::try_from(record.payload.len()).unwrap_or(u64::MAX);
+                // A record without a caller key gets `<instance id>:<offset>`:
+                // unique (offsets are never reused, the instance id is a
+                // random UUID) and ascending within an instance, so the
+                // UNIQUE index grows at its end instead of taking a random
+                // insert per record as a UUID per record would.
+                let generated;
+                let key = if record.keyed {
+                    record.key.as_str()
+                } else {
+                    generated = format!("{}:{:016x}", inner.key_prefix, seq.next_offset);
+                    generated.as_str()
+                };
                 store::insert_record(
                     sql,
-                    &StoredRecord {
-                        offset: seq.next_offset,
-                        key: record.key.clone(),
-                        payload: record.payload.clone(),
-                        bytes,
-                        appended_at,
-                    },
+                    seq.next_offset,
+                    key,
+                    &record.payload,
+                    bytes,
+                    appended_at,
                 )?;
                 *offset = Some(seq.next_offset);
                 seq.next_offset += 1;

@@ -114,16 +114,23 @@ pub(crate) fn find_key(sql: &dyn Sql, key: &str) -> Result<Option<(u64, String)>
 
 /// Inserts one record (rowid append at the end of the table, plus one entry
 /// in the `dedup_key` index).
-pub(crate) fn insert_record(sql: &dyn Sql, record: &StoredRecord) -> Result<(), StorageError> {
+pub(crate) fn insert_record(
+    sql: &dyn Sql,
+    offset: u64,
+    key: &str,
+    payload: &str,
+    bytes: u64,
+    appended_at: EpochMs,
+) -> Result<(), StorageError> {
     sql.execute(
         "INSERT INTO durability_log_records (\"offset\", dedup_key, payload, bytes, appended_at) \
          VALUES (?, ?, ?, ?, ?)",
         &[
-            int(record.offset),
-            Value::from(record.key.as_str()),
-            Value::from(record.payload.as_str()),
-            int(record.bytes),
-            Value::Integer(record.appended_at),
+            int(offset),
+            Value::from(key),
+            Value::from(payload),
+            int(bytes),
+            Value::Integer(appended_at),
         ],
     )?;
     Ok(())
