@@ -68,7 +68,7 @@ where
                         }));
                     };
                     let targets = inner
-                        .resolve_targets(Some(&[parked.target_id.clone()]))
+                        .resolve_targets(Some(std::slice::from_ref(&parked.target_id)))
                         .map_err(RegisterError::Rejected)?;
                     store::delete_parked(sql, id)?;
                     message_ids.borrow_mut().push(parked.message_id.clone());

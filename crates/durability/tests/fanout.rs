@@ -1,0 +1,2183 @@
+//! Fanout (queues.md §3) on a real inline host (real SQLite files), on
+//! paused tokio time: one test per invariant of §3.20, then the parked dead
+//! letters of issue 4, settlement, lifecycle events, memos, redrive, and bad
+//! input. The SIGKILL tests are in `fanout_crash.rs`.
+
+mod support;
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+use durability::error::{ConfigError, HandlerError, SerializedError};
+use durability::fanout::{
+    DeadLetterReason, EnqueueOptions, EnqueueRejection, EnqueueResult, Fanout, FanoutConfigError,
+    FanoutError, FanoutInput, FanoutMessage, SettlementError, SettlementOutcome, Settling,
+    StoredMessage, Target,
+};
+use durability::lifecycle::{LifecycleEvent, Outcome, TerminalReason};
+use durability::platform::{Context, MAX_SAFE_INTEGER, params};
+use durability::retry::{Delay, MethodPolicy};
+use durability::{DurabilityError, Scheduler};
+use support::{Events, Gate, Harness, physical_alarm, query_i64, table_snapshot};
+
+/// The host clock of a fresh harness starts here.
+const START_MS: i64 = 1_000_000;
+/// The default attempt timeout.
+const ATTEMPT_TIMEOUT_MS: i64 = 300_000;
+/// The wait of a removed target's rows and of a failed DLQ write.
+const INFRASTRUCTURE_RETRY_MS: i64 = 60_000;
+
+const FANOUT_TABLES: [&str; 4] = [
+    "durability_fanout_messages",
+    "durability_fanout_deliveries",
+    "durability_fanout_seq",
+    "durability_fanout_parked",
+];
+
+/// A scheduler with default options whose alarm the object delegates to.
+fn scheduler(h: &Harness) -> Scheduler {
+    let scheduler = Scheduler::new(h.context()).unwrap();
+    h.install(&scheduler);
+    scheduler
+}
+
+/// Lets background work (eager passes, timers due now, settlements) run,
+/// moving the clock by one millisecond.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+fn count(ctx: &dyn Context, sql: &str) -> i64 {
+    query_i64(ctx, sql, &[])
+}
+
+fn deliveries(ctx: &dyn Context) -> i64 {
+    count(ctx, "SELECT COUNT(*) FROM durability_fanout_deliveries")
+}
+
+fn manifests(ctx: &dyn Context) -> i64 {
+    count(ctx, "SELECT COUNT(*) FROM durability_fanout_messages")
+}
+
+/// (attempt, next_attempt_at, phase) of the delivery of message key `key`
+/// to `target`, if the row exists.
+fn delivery(ctx: &dyn Context, key: &str, target: &str) -> Option<(u32, i64, String)> {
+    ctx.storage()
+        .query_row(
+            "SELECT attempt, next_attempt_at, phase FROM durability_fanout_deliveries \
+             WHERE message_key = ? AND target_id = ?",
+            &params![key, target],
+        )
+        .unwrap()
+        .map(|row| {
+            (
+                row.get(0).unwrap(),
+                row.get(1).unwrap(),
+                row.get(2).unwrap(),
+            )
+        })
+}
+
+fn snapshot(ctx: &dyn Context) -> Vec<Vec<Vec<durability::platform::Value>>> {
+    let mut tables: Vec<_> = FANOUT_TABLES
+        .iter()
+        .map(|table| table_snapshot(ctx, table))
+        .collect();
+    tables.push(table_snapshot(ctx, "durability_memos"));
+    tables
+}
+
+fn input(id: &str) -> FanoutInput<String> {
+    FanoutInput::new(format!("body of {id}")).id(id)
+}
+
+fn inputs(ids: &[&str]) -> Vec<FanoutInput<String>> {
+    ids.iter().map(|id| input(id)).collect()
+}
+
+fn accepted<T: std::fmt::Debug>(result: Result<EnqueueResult<T>, FanoutError>) -> T {
+    match result.unwrap() {
+        EnqueueResult::Accepted { value, .. } => value,
+        EnqueueResult::Rejected { error, .. } => panic!("rejected: {error}"),
+    }
+}
+
+fn rejected<T: std::fmt::Debug>(result: Result<EnqueueResult<T>, FanoutError>) -> EnqueueRejection {
+    match result.unwrap() {
+        EnqueueResult::Rejected { error, .. } => error,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+/// What a test consumer does with one message.
+#[derive(Debug, Clone, PartialEq)]
+enum Act {
+    Ack,
+    Retry,
+    RetryAfter(u64),
+    DeadLetter,
+    /// Leave it unsettled.
+    Leave,
+    /// Leave it unsettled and make the whole call fail.
+    Fail(HandlerError),
+}
+
+/// Every batch a consumer received, as (message id, attempt), in order.
+#[derive(Clone, Default)]
+struct Batches(Rc<RefCell<BatchLog>>);
+
+/// Batches of (message id, attempt).
+type BatchLog = Vec<Vec<(String, u32)>>;
+
+impl Batches {
+    fn record(&self, batch: &[FanoutMessage<String>]) {
+        self.0
+            .borrow_mut()
+            .push(batch.iter().map(|m| (m.id.clone(), m.attempt)).collect());
+    }
+
+    fn all(&self) -> BatchLog {
+        self.0.borrow().clone()
+    }
+
+    fn ids(&self) -> Vec<Vec<String>> {
+        self.all()
+            .into_iter()
+            .map(|batch| batch.into_iter().map(|(id, _)| id).collect())
+            .collect()
+    }
+
+    fn deliveries_of(&self, id: &str) -> Vec<u32> {
+        self.all()
+            .into_iter()
+            .flatten()
+            .filter(|(m, _)| m == id)
+            .map(|(_, attempt)| attempt)
+            .collect()
+    }
+
+    fn count(&self) -> usize {
+        self.0.borrow().iter().map(Vec::len).sum()
+    }
+}
+
+/// A consumer that records its batches and settles each message as `act`
+/// says, awaiting its settlements before it returns.
+fn consumer(
+    batches: &Batches,
+    act: impl Fn(&FanoutMessage<String>) -> Act + 'static,
+) -> Target<String> {
+    let batches = batches.clone();
+    Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+        batches.record(&batch);
+        let mut settlements: Vec<Settling> = Vec::new();
+        let mut failure = None;
+        for message in &batch {
+            match act(message) {
+                Act::Ack => settlements.push(message.ack()),
+                Act::Retry => settlements.push(message.retry()),
+                Act::RetryAfter(ms) => {
+                    settlements.push(message.retry_after(Duration::from_millis(ms)));
+                }
+                Act::DeadLetter => settlements.push(message.dead_letter()),
+                Act::Leave => {}
+                Act::Fail(error) => failure = Some(error),
+            }
+        }
+        async move {
+            for settlement in settlements {
+                settlement
+                    .await
+                    .map_err(|error| HandlerError::new(error.to_string()))?;
+            }
+            match failure {
+                Some(error) => Err(error),
+                None => Ok(()),
+            }
+        }
+    })
+}
+
+fn acking(batches: &Batches) -> Target<String> {
+    consumer(batches, |_| Act::Ack)
+}
+
+/// A DLQ (or storage target) that keeps what it receives.
+#[derive(Clone, Default)]
+struct Store(Rc<RefCell<Vec<StoredMessage<String>>>>);
+
+impl Store {
+    fn writer(
+        &self,
+    ) -> impl Fn(StoredMessage<String>) -> std::future::Ready<Result<(), HandlerError>> + 'static
+    {
+        let kept = Rc::clone(&self.0);
+        move |stored| {
+            kept.borrow_mut().push(stored);
+            std::future::ready(Ok(()))
+        }
+    }
+
+    fn all(&self) -> Vec<StoredMessage<String>> {
+        self.0.borrow().clone()
+    }
+}
+
+/// Every manifest's `remaining` equals its delivery rows, and none is zero.
+fn assert_manifests_consistent(ctx: &dyn Context) {
+    let wrong = count(
+        ctx,
+        "SELECT COUNT(*) FROM durability_fanout_messages m WHERE remaining <> \
+         (SELECT COUNT(*) FROM durability_fanout_deliveries d WHERE d.message_key = m.key) \
+         OR remaining <= 0",
+    );
+    assert_eq!(wrong, 0, "a manifest disagrees with its delivery rows");
+    let orphans = count(
+        ctx,
+        "SELECT COUNT(*) FROM durability_fanout_deliveries d WHERE NOT EXISTS \
+         (SELECT 1 FROM durability_fanout_messages m WHERE m.key = d.message_key)",
+    );
+    assert_eq!(orphans, 0, "a delivery row without its manifest");
+}
+
+// ---------------------------------------------------------------------------
+// §3.20 (1)
+
+#[tokio::test(start_paused = true)]
+async fn acceptance_is_atomic_everything_or_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", consumer(&Batches::default(), |_| Act::Leave))
+            .target("b", consumer(&Batches::default(), |_| Act::Leave))
+            .batch_delay(Duration::from_secs(3_600))
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0"]), &EnqueueOptions::all())
+                .await,
+        );
+        let before = snapshot(&*ctx);
+        // The third message names m0's key with another body: the first two,
+        // valid on their own, are not written either.
+        let batch = vec![
+            input("m1"),
+            input("m2"),
+            FanoutInput::new("another body".to_owned()).id("m0"),
+        ];
+        let error = rejected(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+        assert_eq!(
+            error,
+            EnqueueRejection::DeduplicationConflict { key: "m0".into() }
+        );
+        assert_eq!(snapshot(&*ctx), before, "nothing of a rejected batch");
+        // Accepted: every manifest, row and seq of the batch exists.
+        let ids = accepted(
+            fanout
+                .enqueue(inputs(&["m1", "m2"]), &EnqueueOptions::all())
+                .await,
+        );
+        assert_eq!(ids, vec!["m1", "m2"]);
+        assert_eq!(manifests(&*ctx), 3);
+        assert_eq!(deliveries(&*ctx), 6);
+        assert_eq!(
+            count(&*ctx, "SELECT next_seq FROM durability_fanout_seq"),
+            3
+        );
+    })
+    .await;
+}
+
+// §3.20 (2)
+#[tokio::test(start_paused = true)]
+async fn a_storage_failure_during_enqueue_is_an_error_never_a_rejection() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", consumer(&Batches::default(), |_| Act::Leave))
+            .batch_delay(Duration::from_secs(3_600))
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0"]), &EnqueueOptions::all())
+                .await,
+        );
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 1);
+        // The storage refuses the second row of the batch.
+        ctx.storage()
+            .execute_script(
+                "CREATE TRIGGER refuse BEFORE INSERT ON durability_fanout_deliveries \
+                 WHEN NEW.message_key = 'm2' BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
+            )
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let result = fanout
+            .enqueue(inputs(&["m1", "m2"]), &EnqueueOptions::all())
+            .await;
+        let error = result.expect_err("a storage failure is uncertain: an Err");
+        assert!(
+            matches!(error, FanoutError::Durability(DurabilityError::Storage(_))),
+            "{error:?}"
+        );
+        assert_eq!(snapshot(&*ctx), before);
+        // The failed transaction dropped the cached count; it is recounted.
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 1);
+    })
+    .await;
+}
+
+// §3.20 (3)
+#[tokio::test(start_paused = true)]
+async fn every_manifest_counts_its_rows_and_none_is_left_at_zero() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let (a, b, c) = (Batches::default(), Batches::default(), Batches::default());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&a))
+            .target(
+                "b",
+                consumer(&b, |m| {
+                    if m.attempt < 3 {
+                        Act::RetryAfter(10)
+                    } else {
+                        Act::Ack
+                    }
+                }),
+            )
+            .target(
+                "c",
+                consumer(&c, |m| {
+                    if m.id == "m1" {
+                        Act::DeadLetter
+                    } else {
+                        Act::Leave
+                    }
+                }),
+            )
+            .max_attempts(2)
+            .retry_delay(Delay::Fixed { ms: 5.0 })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0", "m1", "m2"]), &EnqueueOptions::all())
+                .await,
+        );
+        assert_manifests_consistent(&*ctx);
+        for _ in 0..20 {
+            settle().await;
+            assert_manifests_consistent(&*ctx);
+            sleep_ms(4).await;
+            assert_manifests_consistent(&*ctx);
+        }
+        // Everything settled (acked, or parked after its attempts): no
+        // manifest is left behind.
+        assert_eq!(deliveries(&*ctx), 0);
+        assert_eq!(manifests(&*ctx), 0);
+    })
+    .await;
+}
+
+// §3.20 (4)
+#[tokio::test(start_paused = true)]
+async fn identical_work_is_deduplicated_and_any_difference_rejects_the_batch() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let (a, b) = (Batches::default(), Batches::default());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&a))
+            .target("b", consumer(&b, |_| Act::Leave))
+            .build()
+            .unwrap();
+        let both = EnqueueOptions::to(["b", "a"]);
+        accepted(fanout.enqueue(vec![input("m")], &both).await);
+        settle().await;
+        assert_eq!(a.deliveries_of("m"), vec![1]);
+        assert!(delivery(&*ctx, "m", "a").is_none(), "acked by a");
+        assert!(delivery(&*ctx, "m", "b").is_some(), "still owed to b");
+        let before = snapshot(&*ctx);
+        // Identical (the target order does not matter: the set is sorted).
+        let ids = accepted(
+            fanout
+                .enqueue(vec![input("m")], &EnqueueOptions::to(["a", "b"]))
+                .await,
+        );
+        assert_eq!(ids, vec!["m"]);
+        settle().await;
+        assert_eq!(
+            a.deliveries_of("m"),
+            vec![1],
+            "no redelivery to a target that acked"
+        );
+        assert_eq!(
+            snapshot(&*ctx)[0],
+            before[0],
+            "no new manifest for identical work"
+        );
+        // Any difference rejects, and names the key.
+        let conflict = EnqueueRejection::DeduplicationConflict { key: "m".into() };
+        let other_body = FanoutInput::new("other".to_owned()).id("m");
+        assert_eq!(
+            rejected(fanout.enqueue(vec![other_body], &both).await),
+            conflict
+        );
+        assert_eq!(
+            rejected(
+                fanout
+                    .enqueue(vec![input("m")], &EnqueueOptions::to(["a"]))
+                    .await
+            ),
+            conflict
+        );
+        let other_id = FanoutInput::new("body of m".to_owned())
+            .id("n")
+            .deduplication_key("m");
+        assert_eq!(
+            rejected(fanout.enqueue(vec![other_id], &both).await),
+            conflict
+        );
+        // Inside one batch: identical repeats share one registration, a
+        // different one rejects the batch.
+        let ids = accepted(fanout.enqueue(inputs(&["x", "x"]), &both).await);
+        assert_eq!(ids, vec!["x", "x"]);
+        assert_eq!(
+            count(
+                &*ctx,
+                "SELECT COUNT(*) FROM durability_fanout_messages WHERE key = 'x'"
+            ),
+            1
+        );
+        let clash = vec![input("y"), FanoutInput::new("not y".to_owned()).id("y")];
+        assert_eq!(
+            rejected(fanout.enqueue(clash, &both).await),
+            EnqueueRejection::DeduplicationConflict { key: "y".into() }
+        );
+        assert_eq!(
+            count(
+                &*ctx,
+                "SELECT COUNT(*) FROM durability_fanout_messages WHERE key = 'y'"
+            ),
+            0
+        );
+    })
+    .await;
+}
+
+// §3.20 (5)
+#[tokio::test(start_paused = true)]
+async fn once_its_manifest_is_gone_a_key_registers_a_new_generation() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let a = Batches::default();
+        let identities = Rc::new(RefCell::new(Vec::new()));
+        let seen = Rc::clone(&identities);
+        let recorder = a.clone();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "a",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    recorder.record(&batch);
+                    for m in &batch {
+                        seen.borrow_mut().push(m.delivery_id.clone());
+                    }
+                    async { Ok::<_, HandlerError>(()) }
+                })
+                .ack_on_return(true),
+            )
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(vec![input("m")], &EnqueueOptions::all())
+                .await,
+        );
+        settle().await;
+        assert_eq!(manifests(&*ctx), 0, "settled everywhere: manifest gone");
+        accepted(
+            fanout
+                .enqueue(vec![input("m")], &EnqueueOptions::all())
+                .await,
+        );
+        settle().await;
+        assert_eq!(
+            a.deliveries_of("m"),
+            vec![1, 1],
+            "delivered again, as new work"
+        );
+        let identities = identities.borrow();
+        assert_eq!(identities.len(), 2);
+        assert_ne!(identities[0], identities[1], "a new generation");
+    })
+    .await;
+}
+
+// §3.20 (6)
+#[tokio::test(start_paused = true)]
+async fn sequence_numbers_start_at_zero_and_grow_in_acceptance_order() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", consumer(&Batches::default(), |_| Act::Leave))
+            .batch_delay(Duration::from_secs(3_600))
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["c", "a"]), &EnqueueOptions::all())
+                .await,
+        );
+        // A rejected batch allocates nothing.
+        let bad = vec![input("z"), FanoutInput::new(String::new()).id("")];
+        rejected(fanout.enqueue(bad, &EnqueueOptions::all()).await);
+        accepted(fanout.enqueue(inputs(&["b"]), &EnqueueOptions::all()).await);
+        let rows = ctx
+            .storage()
+            .query(
+                "SELECT id, seq FROM durability_fanout_messages ORDER BY seq",
+                &[],
+            )
+            .unwrap();
+        let seqs: Vec<(String, i64)> = rows
+            .iter()
+            .map(|row| (row.get(0).unwrap(), row.get(1).unwrap()))
+            .collect();
+        assert_eq!(
+            seqs,
+            vec![("c".into(), 0), ("a".into(), 1), ("b".into(), 2)]
+        );
+        let row_seqs = count(
+            &*ctx,
+            "SELECT COUNT(*) FROM durability_fanout_deliveries d JOIN durability_fanout_messages m \
+             ON m.key = d.message_key WHERE d.seq <> m.seq",
+        );
+        assert_eq!(row_seqs, 0, "rows carry their manifest's seq");
+    })
+    .await;
+}
+
+// §3.20 (7)
+#[tokio::test(start_paused = true)]
+async fn first_deliveries_go_before_retries_each_by_sequence_a_bounded_batch_per_pass() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |m| match (m.id.as_str(), m.attempt) {
+                    // m0 is due again later than m1, but comes first: retries
+                    // go by sequence, not by due time.
+                    ("m0", 1) => Act::RetryAfter(5),
+                    ("m1" | "m2", 1) => Act::RetryAfter(0),
+                    _ => Act::Ack,
+                }),
+            )
+            .max_batch_size(3)
+            .build()
+            .unwrap();
+        let ids = ["m0", "m1", "m2", "m3", "m4", "m5", "m6"];
+        accepted(fanout.enqueue(inputs(&ids), &EnqueueOptions::all()).await);
+        sleep_ms(10).await;
+        assert_eq!(
+            t.ids(),
+            vec![
+                vec!["m0", "m1", "m2"],
+                // Due retries wait behind every due first delivery.
+                vec!["m3", "m4", "m5"],
+                vec!["m6", "m1", "m2"],
+                vec!["m0"],
+            ]
+        );
+        assert!(t.all().iter().all(|batch| batch.len() <= 3));
+    })
+    .await;
+}
+
+// §3.20 (8)
+#[tokio::test(start_paused = true)]
+async fn one_pass_per_target_at_a_time_and_targets_do_not_wait_for_each_other() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let gate = Gate::default();
+        let running = Rc::new(Cell::new(0));
+        let most = Rc::new(Cell::new(0));
+        let (slow_batches, fast) = (Batches::default(), Batches::default());
+        let slow = {
+            let (gate, running, most, batches) = (
+                gate.clone(),
+                Rc::clone(&running),
+                Rc::clone(&most),
+                slow_batches.clone(),
+            );
+            Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                batches.record(&batch);
+                let (gate, running, most) = (gate.clone(), Rc::clone(&running), Rc::clone(&most));
+                running.set(running.get() + 1);
+                most.set(most.get().max(running.get()));
+                async move {
+                    gate.wait().await;
+                    running.set(running.get() - 1);
+                    Ok::<_, HandlerError>(())
+                }
+            })
+            .ack_on_return(true)
+        };
+        // A target of an older configuration, with due rows.
+        {
+            let old_scheduler = Scheduler::new(h.context()).unwrap();
+            let old = Fanout::<String>::builder(&old_scheduler)
+                .target("gone", consumer(&Batches::default(), |_| Act::Leave))
+                .batch_delay(Duration::from_secs(3_600))
+                .build()
+                .unwrap();
+            accepted(old.enqueue(inputs(&["g"]), &EnqueueOptions::all()).await);
+        }
+        sleep_ms(3_600_000).await;
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("slow", slow)
+            .target("fast", acking(&fast))
+            .max_batch_size(2)
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(
+                    inputs(&["m0", "m1", "m2", "m3", "m4"]),
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        // Alarm runs meanwhile join the slow pass instead of starting one.
+        for _ in 0..5 {
+            let run = scheduler.clone();
+            tokio::task::spawn_local(async move { run.alarm(None).await });
+            settle().await;
+        }
+        // The slow target holds its first batch; the fast one delivered
+        // everything meanwhile, and the removed one was postponed.
+        assert_eq!(slow_batches.ids(), vec![vec!["m0", "m1"]]);
+        assert_eq!(most.get(), 1);
+        assert_eq!(fast.count(), 5);
+        let (_, gone_due, _) = delivery(&*ctx, "g", "gone").unwrap();
+        assert!(
+            gone_due > START_MS + 3_600_000,
+            "the removed target's row was postponed"
+        );
+        gate.open();
+        sleep_ms(10).await;
+        assert_eq!(slow_batches.count(), 5);
+        assert_eq!(most.get(), 1, "never two passes of one target at once");
+    })
+    .await;
+}
+
+// §3.20 (9)
+#[tokio::test(start_paused = true)]
+async fn attempts_grow_by_one_per_claim_and_an_exhausted_row_never_reaches_the_consumer() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", consumer(&t, |_| Act::Fail(HandlerError::new("busy"))))
+            .max_attempts(3)
+            .retry_delay(Delay::Fixed { ms: 1_000.0 })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        assert_eq!(delivery(&*ctx, "m", "t").unwrap().0, 1);
+        sleep_ms(1_000).await;
+        assert_eq!(delivery(&*ctx, "m", "t").unwrap().0, 2);
+        sleep_ms(10_000).await;
+        assert_eq!(t.deliveries_of("m"), vec![1, 2, 3]);
+        // Out of attempts: parked, never handed over a fourth time.
+        assert!(delivery(&*ctx, "m", "t").is_none());
+        let parked = fanout.parked(None, 10).unwrap();
+        assert_eq!(parked.len(), 1);
+        assert_eq!(parked[0].attempts, 3);
+        // A row found already at its maximum (the process died during its
+        // last attempt) is dead-lettered without a delivery.
+        accepted(fanout.enqueue(inputs(&["n"]), &EnqueueOptions::all()).await);
+        ctx.storage()
+            .execute(
+                "UPDATE durability_fanout_deliveries SET attempt = 3 WHERE message_key = 'n'",
+                &[],
+            )
+            .unwrap();
+        sleep_ms(10_000).await;
+        assert!(t.deliveries_of("n").len() <= 1);
+        assert!(delivery(&*ctx, "n", "t").is_none());
+        assert_eq!(fanout.parked(None, 10).unwrap().len(), 2);
+    })
+    .await;
+}
+
+// §3.20 (9), dead-letter phase
+#[tokio::test(start_paused = true)]
+async fn a_row_in_dead_letter_phase_is_never_handed_to_the_consumer() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let writes = Rc::new(Cell::new(0));
+        let counted = Rc::clone(&writes);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", consumer(&t, |_| Act::DeadLetter))
+            .dlq(move |_stored: StoredMessage<String>| {
+                counted.set(counted.get() + 1);
+                async { Err::<(), _>(HandlerError::new("DLQ unavailable")) }
+            })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        for _ in 0..5 {
+            sleep_ms(61_000).await;
+        }
+        assert_eq!(
+            t.deliveries_of("m"),
+            vec![1],
+            "delivered once, then only the DLQ"
+        );
+        assert_eq!(writes.get(), 6, "the DLQ write is retried every minute");
+        assert_eq!(delivery(&*ctx, "m", "t").unwrap().2, "dead_letter");
+    })
+    .await;
+}
+
+// §3.20 (10)
+#[tokio::test(start_paused = true)]
+async fn a_claimed_row_is_due_at_claim_time_plus_the_attempt_timeout() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let seen = Rc::new(RefCell::new(Vec::new()));
+        let (observed, reader) = (Rc::clone(&seen), h.context());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let now = reader.now_ms();
+                    let row = delivery(&*reader, &batch[0].id, "t").unwrap();
+                    observed.borrow_mut().push((now, row.0, row.1));
+                    async { Ok::<_, HandlerError>(()) }
+                })
+                .ack_on_return(true)
+                .policy(MethodPolicy::new().attempt_timeout_ms(45_000)),
+            )
+            .target(
+                "u",
+                Target::consumer(|_: Vec<FanoutMessage<String>>| {
+                    std::future::pending::<Result<(), HandlerError>>()
+                }),
+            )
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let (claimed_at, attempt, due) = seen.borrow()[0];
+        assert_eq!(attempt, 1);
+        assert_eq!(due, claimed_at + 45_000);
+        // The other target's row, claimed by its own policy (default timeout).
+        let (attempt, due, _) = delivery(&*ctx, "m", "u").unwrap();
+        assert_eq!(attempt, 1);
+        assert_eq!(due, START_MS + ATTEMPT_TIMEOUT_MS);
+    })
+    .await;
+}
+
+// §3.20 (11)
+#[tokio::test(start_paused = true)]
+async fn the_first_settlement_is_binding_and_later_or_late_calls_are_rejected() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let kept: Rc<RefCell<Vec<FanoutMessage<String>>>> = Rc::default();
+        let outcomes: Rc<RefCell<Vec<Result<(), SettlementError>>>> = Rc::default();
+        let (keep, record) = (Rc::clone(&kept), Rc::clone(&outcomes));
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let (keep, record) = (Rc::clone(&keep), Rc::clone(&record));
+                    async move {
+                        let message = &batch[0];
+                        let first = message.ack();
+                        let second = message.retry();
+                        let third = message.dead_letter();
+                        let outcome = first.await;
+                        record.borrow_mut().push(outcome);
+                        let outcome = second.await;
+                        record.borrow_mut().push(outcome);
+                        let outcome = third.await;
+                        record.borrow_mut().push(outcome);
+                        keep.borrow_mut().extend(batch);
+                        Ok::<_, HandlerError>(())
+                    }
+                }),
+            )
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let already = SettlementError::AlreadySettled {
+            id: "m".into(),
+            outcome: SettlementOutcome::Ack,
+        };
+        assert_eq!(
+            *outcomes.borrow(),
+            vec![Ok(()), Err(already.clone()), Err(already)]
+        );
+        // After the consumer returned, the message is closed.
+        let late = kept.borrow()[0].ack();
+        let late = late.await;
+        assert_eq!(
+            late,
+            Err(SettlementError::AlreadySettled {
+                id: "m".into(),
+                outcome: SettlementOutcome::Ack
+            })
+        );
+    })
+    .await;
+}
+
+// §3.20 (11), after return and after the deadline
+#[tokio::test(start_paused = true)]
+async fn settlement_calls_after_the_consumer_returned_or_timed_out_are_rejected() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let kept: Rc<RefCell<Vec<FanoutMessage<String>>>> = Rc::default();
+        let late_outcome: Rc<RefCell<Option<Result<(), SettlementError>>>> = Rc::default();
+        let (keep, late) = (Rc::clone(&kept), Rc::clone(&late_outcome));
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "returns",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    keep.borrow_mut().extend(batch);
+                    async { Ok::<_, HandlerError>(()) }
+                }),
+            )
+            .target(
+                "hangs",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let late = Rc::clone(&late);
+                    async move {
+                        // Runs past the deadline, then tries to settle.
+                        tokio::time::sleep(Duration::from_millis(2_000)).await;
+                        *late.borrow_mut() = Some(batch[0].ack().await);
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .policy(MethodPolicy::new().attempt_timeout_ms(1_000)),
+            )
+            .retry_delay(Delay::Fixed { ms: 60_000.0 })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        // The pass chose to retry the message left unsettled.
+        let retried = SettlementError::AlreadySettled {
+            id: "m".into(),
+            outcome: SettlementOutcome::Retry,
+        };
+        let after_return = kept.borrow()[0].ack();
+        assert_eq!(after_return.await, Err(retried.clone()));
+        // Unsettled after return: retried with the reference's error.
+        assert_eq!(delivery(&*ctx, "m", "returns").unwrap().0, 1);
+        let last_error: String = ctx
+            .storage()
+            .query_row(
+                "SELECT last_error FROM durability_fanout_deliveries WHERE target_id = 'returns'",
+                &[],
+            )
+            .unwrap()
+            .unwrap()
+            .get(0)
+            .unwrap();
+        assert_eq!(last_error, "Consumer returned without settling the message");
+        sleep_ms(2_500).await;
+        // Likewise for the timed-out one, whose consumer is still running.
+        assert_eq!(*late_outcome.borrow(), Some(Err(retried)));
+        let (name, message): (String, String) = ctx
+            .storage()
+            .query_row(
+                "SELECT last_error_name, last_error FROM durability_fanout_deliveries \
+                 WHERE target_id = 'hangs'",
+                &[],
+            )
+            .unwrap()
+            .map(|row| (row.get(0).unwrap(), row.get(1).unwrap()))
+            .unwrap();
+        assert_eq!(name, "FanoutTimeoutError");
+        assert_eq!(message, "Fanout delivery timed out after 1000ms");
+    })
+    .await;
+}
+
+// §3.20 (12)
+#[tokio::test(start_paused = true)]
+async fn a_settlement_by_a_stale_attempt_changes_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let kept: Rc<RefCell<Vec<FanoutMessage<String>>>> = Rc::default();
+        let keep = Rc::clone(&kept);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let first_attempt = batch[0].attempt == 1;
+                    keep.borrow_mut().extend(batch);
+                    async move {
+                        if first_attempt {
+                            // Runs past its deadline: the row is retried.
+                            tokio::time::sleep(Duration::from_secs(10)).await;
+                        } else {
+                            std::future::pending::<()>().await;
+                        }
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .policy(MethodPolicy::new().attempt_timeout_ms(1_000)),
+            )
+            .retry_delay(Delay::Fixed { ms: 0.0 })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        sleep_ms(1_500).await;
+        assert_eq!(kept.borrow().len(), 2, "the second attempt runs");
+        let before = snapshot(&*ctx);
+        let stale = {
+            let kept = kept.borrow();
+            assert_eq!(kept[0].attempt, 1);
+            [kept[0].ack(), kept[0].retry(), kept[0].dead_letter()]
+        };
+        for settlement in stale {
+            assert!(settlement.await.is_err());
+        }
+        assert_eq!(snapshot(&*ctx), before, "the stale attempt changed nothing");
+        // A settlement of the live attempt still works.
+        let live = {
+            let kept = kept.borrow();
+            assert_eq!(kept[1].attempt, 2);
+            kept[1].ack()
+        };
+        live.await.unwrap();
+        assert!(delivery(&*ctx, "m", "t").is_none());
+    })
+    .await;
+}
+
+// §3.20 (13)
+#[tokio::test(start_paused = true)]
+async fn dead_letter_intent_commits_before_the_dlq_write_which_alone_is_retried() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let attempts = Rc::new(RefCell::new(Vec::new()));
+        let (seen, reader) = (Rc::clone(&attempts), h.context());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |_| Act::Fail(HandlerError::new("poison"))),
+            )
+            .max_attempts(1)
+            .dlq(move |stored: StoredMessage<String>| {
+                // The intent is already durable when the write starts.
+                let phase = delivery(&*reader, "m", "t").map(|row| row.2);
+                seen.borrow_mut().push((reader.now_ms(), phase, stored));
+                let failing = seen.borrow().len() < 3;
+                async move {
+                    if failing {
+                        Err(HandlerError::new("DLQ down"))
+                    } else {
+                        Ok(())
+                    }
+                }
+            })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        sleep_ms(61_000).await;
+        sleep_ms(61_000).await;
+        let attempts = attempts.borrow();
+        assert_eq!(attempts.len(), 3);
+        for (_, phase, stored) in attempts.iter() {
+            assert_eq!(phase.as_deref(), Some("dead_letter"));
+            // Byte-identical every time: same id, timestamp, reason, error.
+            assert_eq!(stored, &attempts[0].2);
+        }
+        assert!(attempts[1].0 - attempts[0].0 >= INFRASTRUCTURE_RETRY_MS);
+        let failure = attempts[0].2.failure.clone().unwrap();
+        assert_eq!(failure.reason, DeadLetterReason::Exhausted);
+        assert_eq!(failure.error, Some(SerializedError::new("Error", "poison")));
+        assert_eq!(
+            t.deliveries_of("m"),
+            vec![1],
+            "never redelivered to the consumer"
+        );
+        assert!(
+            delivery(&*ctx, "m", "t").is_none(),
+            "removed after the write"
+        );
+    })
+    .await;
+}
+
+// §3.20 (14), with the departure of issue 4
+#[tokio::test(start_paused = true)]
+async fn without_a_dlq_a_terminal_delivery_is_parked_not_dropped_and_terminal_is_emitted() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let events = Events::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", consumer(&Batches::default(), |_| Act::DeadLetter))
+            .on_lifecycle_event(events.hook())
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        assert_eq!(deliveries(&*ctx), 0);
+        assert_eq!(manifests(&*ctx), 0);
+        let parked = fanout.parked(None, 10).unwrap();
+        assert_eq!(parked.len(), 1);
+        let entry = &parked[0];
+        assert_eq!(entry.message_id, "m");
+        assert_eq!(entry.target, "t");
+        assert_eq!(entry.body, "body of m");
+        assert_eq!(entry.attempts, 1);
+        let failure = entry.failure.clone().unwrap();
+        assert_eq!(failure.reason, DeadLetterReason::Explicit);
+        assert_eq!(
+            failure.error, None,
+            "a first-attempt explicit dead letter has no error"
+        );
+        assert_eq!(
+            events.trace("m"),
+            vec!["registered", "attempt_started 1", "terminal 1"]
+        );
+        let terminal = events
+            .all()
+            .into_iter()
+            .find_map(|event| match event {
+                LifecycleEvent::Terminal { reason, error, .. } => Some((reason, error)),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(terminal.0, TerminalReason::DeadLettered);
+        assert_eq!(
+            terminal.1,
+            SerializedError::new("DeadLetter", "Dead-lettered by consumer")
+        );
+        // Parked work keeps no alarm armed.
+        assert_eq!(physical_alarm(&*ctx).await, None);
+    })
+    .await;
+}
+
+// §3.20 (15)
+#[tokio::test(start_paused = true)]
+async fn a_storage_target_is_acked_only_after_its_write_and_a_failed_write_is_retried_alone() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let written = Rc::new(RefCell::new(Vec::new()));
+        let failures = Rc::new(Cell::new(0));
+        let (log, fails, reader) = (Rc::clone(&written), Rc::clone(&failures), h.context());
+        let other = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "archive",
+                Target::storage(move |stored: StoredMessage<String>| {
+                    // The row is still owed while its write runs.
+                    let owed = delivery(&*reader, &stored.message_id, "archive").is_some();
+                    let fail = stored.message_id == "m1" && fails.get() < 2;
+                    if fail {
+                        fails.set(fails.get() + 1);
+                    } else {
+                        log.borrow_mut()
+                            .push((stored.message_id.clone(), stored.attempts, owed));
+                    }
+                    async move {
+                        if fail {
+                            Err(HandlerError::new("bucket unavailable"))
+                        } else {
+                            Ok(())
+                        }
+                    }
+                }),
+            )
+            .target("other", acking(&other))
+            .retry_delay(Delay::Fixed { ms: 1_000.0 })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0", "m1", "m2"]), &EnqueueOptions::all())
+                .await,
+        );
+        settle().await;
+        // m0 and m2 written and acked in the first batch; m1 failed alone.
+        assert_eq!(
+            *written.borrow(),
+            vec![("m0".into(), 1, true), ("m2".into(), 1, true)]
+        );
+        assert!(delivery(&*ctx, "m0", "archive").is_none());
+        assert_eq!(delivery(&*ctx, "m1", "archive").unwrap().0, 1);
+        assert_eq!(other.count(), 3, "the other target is unaffected");
+        sleep_ms(5_000).await;
+        assert_eq!(
+            written.borrow().last().cloned(),
+            Some(("m1".into(), 3, true))
+        );
+        assert_eq!(deliveries(&*ctx), 0);
+    })
+    .await;
+}
+
+// §3.20 (16)
+#[tokio::test(start_paused = true)]
+async fn pending_deliveries_equals_the_row_count_and_is_recounted_after_a_failed_transaction() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&Batches::default()))
+            .target(
+                "b",
+                consumer(&Batches::default(), |m| {
+                    if m.attempt == 1 {
+                        Act::RetryAfter(100)
+                    } else {
+                        Act::DeadLetter
+                    }
+                }),
+            )
+            .target("c", consumer(&Batches::default(), |_| Act::Leave))
+            .retry_delay(Delay::Fixed { ms: 50.0 })
+            .build()
+            .unwrap();
+        let check = |fanout: &Fanout<String>| {
+            assert_eq!(
+                fanout.load().unwrap().outbound.pending_deliveries,
+                u64::try_from(deliveries(&*ctx)).unwrap()
+            );
+        };
+        check(&fanout);
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0", "m1"]), &EnqueueOptions::all())
+                .await,
+        );
+        check(&fanout);
+        for _ in 0..10 {
+            settle().await;
+            check(&fanout);
+            sleep_ms(30).await;
+            check(&fanout);
+        }
+        // A transaction that fails (here an ack refused by the storage)
+        // drops the cached count; the next read counts again.
+        ctx.storage()
+            .execute_script(
+                "CREATE TRIGGER refuse BEFORE DELETE ON durability_fanout_deliveries \
+                 BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
+            )
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["m2"]), &EnqueueOptions::to(["a"]))
+                .await,
+        );
+        settle().await;
+        check(&fanout);
+        ctx.storage()
+            .execute_script("DROP TRIGGER refuse;")
+            .unwrap();
+        sleep_ms(600_000).await;
+        check(&fanout);
+    })
+    .await;
+}
+
+// §3.20 (17)
+#[tokio::test(start_paused = true)]
+async fn rows_of_a_removed_target_are_kept_and_pushed_a_minute_out_each_time_they_come_due() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let first = Scheduler::new(h.context()).unwrap();
+        h.install(&first);
+        let old = Fanout::<String>::builder(&first)
+            .target("a", acking(&Batches::default()))
+            .target(
+                "b",
+                consumer(&Batches::default(), |_| {
+                    Act::Fail(HandlerError::new("down"))
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 1_000.0 })
+            .build()
+            .unwrap();
+        accepted(old.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let (attempt, _, _) = delivery(&*ctx, "m", "b").unwrap();
+        assert_eq!(attempt, 1);
+        drop(old);
+        // A new configuration without "b".
+        let second = scheduler(&h);
+        let a = Batches::default();
+        let fanout = Fanout::<String>::builder(&second)
+            .target("a", acking(&a))
+            .build()
+            .unwrap();
+        sleep_ms(1_000).await;
+        let now = second.now_ms();
+        second.alarm(None).await.unwrap();
+        let (attempt, due, phase) = delivery(&*ctx, "m", "b").unwrap();
+        assert_eq!((attempt, phase.as_str()), (1, "delivery"), "kept as it was");
+        assert_eq!(due, now + INFRASTRUCTURE_RETRY_MS);
+        assert_eq!(
+            manifests(&*ctx),
+            1,
+            "its manifest stays, so the key stays taken"
+        );
+        sleep_ms(60_000).await;
+        settle().await;
+        let (_, due_again, _) = delivery(&*ctx, "m", "b").unwrap();
+        assert_eq!(due_again, due + INFRASTRUCTURE_RETRY_MS);
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 1);
+        // Configured again: delivered.
+        drop(fanout);
+        let third = scheduler(&h);
+        let b = Batches::default();
+        let _back = Fanout::<String>::builder(&third)
+            .target("a", acking(&a))
+            .target("b", acking(&b))
+            .build()
+            .unwrap();
+        sleep_ms(61_000).await;
+        assert_eq!(b.deliveries_of("m"), vec![2]);
+        assert_eq!(deliveries(&*ctx), 0);
+    })
+    .await;
+}
+
+// §3.20 (18)
+#[tokio::test(start_paused = true)]
+async fn with_a_batch_delay_first_attempts_are_due_at_the_next_multiple_of_it() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", acking(&t))
+            .batch_delay(Duration::from_millis(700))
+            .build()
+            .unwrap();
+        // START_MS (1_000_000) is not a multiple of 700.
+        accepted(
+            fanout
+                .enqueue(inputs(&["m0"]), &EnqueueOptions::all())
+                .await,
+        );
+        sleep_ms(150).await;
+        accepted(
+            fanout
+                .enqueue(inputs(&["m1"]), &EnqueueOptions::all())
+                .await,
+        );
+        let boundary = 1_000_300; // the smallest multiple of 700 >= 1_000_000
+        assert_eq!(delivery(&*ctx, "m0", "t").unwrap().1, boundary);
+        assert_eq!(delivery(&*ctx, "m1", "t").unwrap().1, boundary);
+        assert!(t.all().is_empty(), "nothing before the window closes");
+        sleep_ms(200).await;
+        assert_eq!(t.ids(), vec![vec!["m0", "m1"]], "one batch at the boundary");
+        // Exactly on a multiple: due at once.
+        let now = scheduler.now_ms();
+        let on_multiple = (now / 700 + 1) * 700;
+        sleep_ms(u64::try_from(on_multiple - now).unwrap()).await;
+        accepted(
+            fanout
+                .enqueue(inputs(&["m2"]), &EnqueueOptions::all())
+                .await,
+        );
+        let created: i64 = count(
+            &*ctx,
+            "SELECT created_at FROM durability_fanout_messages WHERE key = 'm2'",
+        );
+        assert_eq!(created % 700, 0);
+        assert_eq!(delivery(&*ctx, "m2", "t").unwrap().1, created);
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Parked dead letters (issue 4's departure)
+
+#[tokio::test(start_paused = true)]
+async fn parked_deliveries_are_listed_redriven_as_new_work_and_purged() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |m| {
+                    if m.body.contains("poison") {
+                        Act::Fail(HandlerError::new("poison"))
+                    } else {
+                        Act::Ack
+                    }
+                }),
+            )
+            .target("u", acking(&Batches::default()))
+            .max_attempts(2)
+            .retry_delay(Delay::Fixed { ms: 0.0 })
+            .build()
+            .unwrap();
+        let batch: Vec<FanoutInput<String>> = (0..5)
+            .map(|i| FanoutInput::new(format!("poison {i}")).id(format!("p{i}")))
+            .collect();
+        accepted(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+        sleep_ms(100).await;
+        assert_eq!(deliveries(&*ctx), 0);
+        // Paged, oldest first.
+        let page = fanout.parked(None, 3).unwrap();
+        assert_eq!(page.len(), 3);
+        let rest = fanout.parked(page.last(), 3).unwrap();
+        assert_eq!(rest.len(), 2);
+        let mut all: Vec<_> = page
+            .iter()
+            .chain(&rest)
+            .map(|e| e.message_id.clone())
+            .collect();
+        all.sort();
+        assert_eq!(all, vec!["p0", "p1", "p2", "p3", "p4"]);
+        assert!(
+            page.iter()
+                .chain(&rest)
+                .all(|e| e.target == "t" && e.attempts == 2)
+        );
+        let failure = page[0].failure.clone().unwrap();
+        assert_eq!(failure.reason, DeadLetterReason::Exhausted);
+        assert_eq!(failure.error, Some(SerializedError::new("Error", "poison")));
+        // A redrive registers new work for the one target and removes the
+        // entry in the same transaction; the message id is kept.
+        let ids = accepted(fanout.redrive_parked(&[page[0].id.as_str()]).await);
+        assert_eq!(ids, vec![page[0].message_id.clone()]);
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_parked"),
+            4
+        );
+        let key: String = ctx
+            .storage()
+            .query_row("SELECT key FROM durability_fanout_messages", &[])
+            .unwrap()
+            .unwrap()
+            .get(0)
+            .unwrap();
+        assert_eq!(key, page[0].id, "keyed by the parked delivery identity");
+        sleep_ms(100).await;
+        // Poisoned again: parked again, under a new identity.
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_parked"),
+            5
+        );
+        let redriven = &page[0].message_id;
+        assert_eq!(t.deliveries_of(redriven), vec![1, 2, 1, 2]);
+        // An unknown id rejects the whole redrive.
+        let error = rejected(fanout.redrive_parked(&[rest[0].id.as_str(), "nope"]).await);
+        assert_eq!(error, EnqueueRejection::UnknownParked { id: "nope".into() });
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_parked"),
+            5
+        );
+        // Purge by id and by time.
+        assert_eq!(
+            fanout.purge_parked(&[rest[0].id.as_str(), "nope"]).unwrap(),
+            1
+        );
+        let later = scheduler.now_ms() + 1;
+        assert_eq!(fanout.purge_parked_before(later).unwrap(), 4);
+        assert!(fanout.parked(None, 10).unwrap().is_empty());
+        assert!(fanout.purge_parked_before(-1).is_err());
+        assert_eq!(physical_alarm(&*ctx).await, None);
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Settlement details
+
+#[tokio::test(start_paused = true)]
+async fn ack_on_return_acks_the_unsettled_in_one_go_and_explicit_settlements_win() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let events = Events::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |m| match m.id.as_str() {
+                    "retry" if m.attempt == 1 => Act::RetryAfter(10),
+                    "dead" => Act::DeadLetter,
+                    _ => Act::Leave,
+                })
+                .ack_on_return(true),
+            )
+            .on_lifecycle_event(events.hook())
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["a", "retry", "dead", "b"]), &EnqueueOptions::all())
+                .await,
+        );
+        settle().await;
+        assert!(delivery(&*ctx, "a", "t").is_none());
+        assert!(delivery(&*ctx, "b", "t").is_none());
+        assert_eq!(delivery(&*ctx, "retry", "t").unwrap().0, 1, "its retry won");
+        assert_eq!(
+            fanout.parked(None, 10).unwrap().len(),
+            1,
+            "its dead letter won"
+        );
+        assert_eq!(
+            events.trace("a"),
+            vec![
+                "registered",
+                "attempt_started 1",
+                "attempt_settled:completed 1"
+            ]
+        );
+        sleep_ms(20).await;
+        assert_eq!(t.deliveries_of("retry"), vec![1, 2]);
+        assert_eq!(deliveries(&*ctx), 0, "acked on return the second time");
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_call_retries_its_unsettled_messages_with_the_error_and_keeps_its_acks() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let events = Events::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |m| match m.id.as_str() {
+                    "acked" => Act::Ack,
+                    _ => Act::Fail(HandlerError::named("Upstream", "503")),
+                })
+                .ack_on_return(true),
+            )
+            .retry_delay(Delay::Fixed { ms: 1_000.0 })
+            .on_lifecycle_event(events.hook())
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["acked", "left"]), &EnqueueOptions::all())
+                .await,
+        );
+        settle().await;
+        assert!(
+            delivery(&*ctx, "acked", "t").is_none(),
+            "an ack started before the error stands"
+        );
+        let (attempt, due, _) = delivery(&*ctx, "left", "t").unwrap();
+        assert_eq!(attempt, 1);
+        assert_eq!(due, START_MS + 1_000);
+        let settled = events
+            .all()
+            .into_iter()
+            .find_map(|event| match event {
+                LifecycleEvent::AttemptSettled {
+                    outcome:
+                        Outcome::RetryScheduled {
+                            error,
+                            next_attempt_at,
+                        },
+                    ..
+                } => Some((error, next_attempt_at)),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(
+            settled,
+            (SerializedError::new("Upstream", "503"), START_MS + 1_000)
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_non_retryable_consumer_error_dead_letters_at_once() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&t, |_| Act::Fail(HandlerError::non_retryable("malformed"))),
+            )
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        assert_eq!(t.deliveries_of("m"), vec![1]);
+        let parked = fanout.parked(None, 10).unwrap();
+        let failure = parked[0].failure.clone().unwrap();
+        assert_eq!(failure.reason, DeadLetterReason::Exhausted);
+        assert_eq!(
+            failure.error,
+            Some(SerializedError::new("NonRetryableError", "malformed"))
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_policy_that_gives_up_dead_letters_with_its_error() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", consumer(&Batches::default(), |_| Act::Retry))
+            .retry_delay(Delay::custom(|_, _| Ok(f64::NAN)))
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let parked = fanout.parked(None, 10).unwrap();
+        assert_eq!(
+            parked[0].failure.clone().unwrap().error,
+            Some(SerializedError::new(
+                "DurableRetryPolicyError",
+                "Retry policy for fanout must produce a non-negative safe-integer timestamp"
+            ))
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_explicit_dead_letter_carries_the_previous_failure() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let store = Store::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&Batches::default(), |m| {
+                    if m.attempt == 1 {
+                        Act::Fail(HandlerError::named("Timeout", "slow"))
+                    } else {
+                        Act::DeadLetter
+                    }
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 0.0 })
+            .dlq(store.writer())
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        sleep_ms(10).await;
+        let written = store.all();
+        assert_eq!(written.len(), 1);
+        let entry = &written[0];
+        assert_eq!(entry.attempts, 2);
+        assert_eq!(entry.message_id, "m");
+        let failure = entry.failure.clone().unwrap();
+        assert_eq!(failure.reason, DeadLetterReason::Explicit);
+        assert_eq!(failure.error, Some(SerializedError::new("Timeout", "slow")));
+        assert!(
+            fanout.parked(None, 10).unwrap().is_empty(),
+            "with a DLQ nothing is parked"
+        );
+    })
+    .await;
+}
+
+// §3.17: redrive from a DLQ, with the entry id as the deduplication key.
+#[tokio::test(start_paused = true)]
+async fn a_redrive_from_the_dlq_keyed_by_the_entry_id_is_new_work_for_one_target() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let store = Store::default();
+        let healed = Rc::new(Cell::new(false));
+        let is_healed = Rc::clone(&healed);
+        let (a, b) = (Batches::default(), Batches::default());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&a))
+            .target(
+                "b",
+                consumer(&b, move |_| {
+                    if is_healed.get() {
+                        Act::Ack
+                    } else {
+                        Act::DeadLetter
+                    }
+                }),
+            )
+            .dlq(store.writer())
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let entry = store.all().remove(0);
+        healed.set(true);
+        let redrive = FanoutInput::new(entry.body.clone())
+            .id(entry.message_id.clone())
+            .deduplication_key(entry.id.clone());
+        let ids = accepted(
+            fanout
+                .enqueue(
+                    vec![redrive.clone()],
+                    &EnqueueOptions::to([entry.target.clone()]),
+                )
+                .await,
+        );
+        assert_eq!(ids, vec!["m"]);
+        settle().await;
+        assert_eq!(b.deliveries_of("m"), vec![1, 1], "a fresh attempt budget");
+        assert_eq!(a.deliveries_of("m"), vec![1], "only the failed target");
+        assert_eq!(deliveries(&*ctx), 0);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn memos_survive_a_retry_and_go_with_the_settled_delivery() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let side_effects = Rc::new(Cell::new(0));
+        let effects = Rc::clone(&side_effects);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let effects = Rc::clone(&effects);
+                    async move {
+                        for m in &batch {
+                            let receipt: u32 = m
+                                .memo
+                                .memoize("charge", async {
+                                    effects.set(effects.get() + 1);
+                                    Ok::<_, HandlerError>(effects.get())
+                                })
+                                .await?;
+                            assert_eq!(receipt, 1);
+                            if m.attempt == 1 {
+                                return Err(HandlerError::new("later step failed"));
+                            }
+                            m.ack()
+                                .await
+                                .map_err(|e| HandlerError::new(e.to_string()))?;
+                        }
+                        Ok(())
+                    }
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 1_000.0 })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        assert_eq!(count(&*ctx, "SELECT COUNT(*) FROM durability_memos"), 1);
+        sleep_ms(1_000).await;
+        assert_eq!(side_effects.get(), 1, "the retry reused the memo");
+        assert_eq!(deliveries(&*ctx), 0);
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_memos"),
+            0,
+            "deleted with the delivery"
+        );
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Lifecycle events (§3.15)
+
+#[tokio::test(start_paused = true)]
+async fn lifecycle_events_follow_each_delivery_and_hooks_cannot_change_anything() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let events = Events::default();
+        let extra = Events::default();
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                consumer(&Batches::default(), |m| {
+                    if m.attempt == 1 { Act::Retry } else { Act::Ack }
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 5.0 })
+            .max_attempts(2)
+            .on_lifecycle_event(events.hook())
+            .on_lifecycle_event(Rc::new(|_: &LifecycleEvent| {
+                Some(Box::pin(async { Err(HandlerError::new("hook down")) })
+                    as durability::platform::LocalBoxFuture<
+                        'static,
+                        Result<(), HandlerError>,
+                    >)
+            }))
+            .build()
+            .unwrap();
+        let registration = fanout.lifecycle(extra.hook());
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        sleep_ms(20).await;
+        assert_eq!(
+            events.trace("m"),
+            vec![
+                "registered",
+                "attempt_started 1",
+                "attempt_settled:retry_scheduled 1",
+                "attempt_started 2",
+                "attempt_settled:completed 2",
+            ]
+        );
+        assert_eq!(extra.trace("m"), events.trace("m"));
+        let json = serde_json::to_value(&events.all()[0]).unwrap();
+        assert_eq!(json["entityKind"], "fanout_delivery");
+        assert_eq!(json["target"], "t");
+        assert_eq!(json["attempt"], 0);
+        assert_eq!(deliveries(&*ctx), 0, "a failing hook changed nothing");
+        registration.detach();
+        accepted(fanout.enqueue(inputs(&["n"]), &EnqueueOptions::all()).await);
+        sleep_ms(20).await;
+        assert!(extra.trace("n").is_empty(), "a detached hook hears nothing");
+        assert!(!events.trace("n").is_empty());
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Load (§2) as fanout counts it
+
+#[tokio::test(start_paused = true)]
+async fn fanout_counts_one_inbound_per_enqueue_and_one_outbound_per_target_batch() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&Batches::default()))
+            .target("b", acking(&Batches::default()))
+            .max_batch_size(2)
+            .build()
+            .unwrap();
+        let load = fanout.load().unwrap();
+        assert_eq!(load.inbound.completed, 0);
+        assert_eq!(load.inbound.average_processing_ms, None);
+        let result = fanout
+            .enqueue(inputs(&["m0", "m1", "m2"]), &EnqueueOptions::all())
+            .await
+            .unwrap();
+        // The returned load already counts this call as completed.
+        assert_eq!(result.load().inbound.completed, 1);
+        assert_eq!(result.load().inbound.in_flight, 0);
+        assert_eq!(result.load().outbound.pending_deliveries, 6);
+        rejected(
+            fanout
+                .enqueue(inputs(&["x"]), &EnqueueOptions::to(["zz"]))
+                .await,
+        );
+        sleep_ms(10).await;
+        let load = fanout.load().unwrap();
+        assert_eq!(load.inbound.completed, 2, "accepted and rejected alike");
+        // Two targets, three messages, batches of two: four batches.
+        assert_eq!(load.outbound.completed, 4);
+        assert_eq!(load.outbound.pending_deliveries, 0);
+        assert_eq!(load.window_ms, 60_000);
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Restart
+
+#[tokio::test(start_paused = true)]
+async fn delivery_resumes_from_the_alarm_after_eviction() {
+    // Calls cross to the object's executor, so the record is a static.
+    static DELIVERED: std::sync::Mutex<Vec<(String, u32)>> = std::sync::Mutex::new(Vec::new());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    tokio::task::LocalSet::new()
+        .run_until(async move {
+            let (host, objects) = support::open_harness_host(&path);
+            let stub = objects.stub("mail").unwrap();
+            stub.call(|h: Rc<Harness>| async move {
+                let scheduler = scheduler(&h);
+                let fanout = Fanout::<String>::builder(&scheduler)
+                    .target(
+                        "t",
+                        Target::consumer(|_: Vec<FanoutMessage<String>>| {
+                            std::future::pending::<Result<(), HandlerError>>()
+                        })
+                        .policy(MethodPolicy::new().attempt_timeout_ms(20_000)),
+                    )
+                    .build()
+                    .unwrap();
+                accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+                settle().await;
+                h.keep(fanout);
+            })
+            .await
+            .unwrap();
+            // The process "dies" mid-batch.
+            host.evict(stub.id()).await.unwrap();
+            stub.call(move |h: Rc<Harness>| async move {
+                let scheduler = scheduler(&h);
+                let fanout = Fanout::<String>::builder(&scheduler)
+                    .target(
+                        "t",
+                        Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                            let mut delivered = DELIVERED.lock().unwrap();
+                            delivered.extend(batch.iter().map(|m| (m.id.clone(), m.attempt)));
+                            async { Ok::<_, HandlerError>(()) }
+                        })
+                        .ack_on_return(true),
+                    )
+                    .build()
+                    .unwrap();
+                h.keep(fanout);
+            })
+            .await
+            .unwrap();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            host.shutdown().await;
+        })
+        .await;
+    // Not by a call: the claim deadline came, and the alarm delivered it.
+    assert_eq!(*DELIVERED.lock().unwrap(), vec![("m".to_owned(), 2)]);
+}
+
+// ---------------------------------------------------------------------------
+// Bad input
+
+#[tokio::test(start_paused = true)]
+async fn bad_targets_are_rejected_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&Batches::default()))
+            .target("b", acking(&Batches::default()))
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let cases = [
+            (
+                EnqueueOptions::to(Vec::<String>::new()),
+                EnqueueRejection::NoTargets,
+            ),
+            (
+                EnqueueOptions::to(["a", "c"]),
+                EnqueueRejection::UnknownTarget { target: "c".into() },
+            ),
+            (
+                EnqueueOptions::to(["b", "a", "b"]),
+                EnqueueRejection::DuplicateTarget { target: "b".into() },
+            ),
+            (
+                EnqueueOptions::to([""]),
+                EnqueueRejection::UnknownTarget {
+                    target: String::new(),
+                },
+            ),
+        ];
+        for (options, expected) in cases {
+            let error = rejected(fanout.enqueue(inputs(&["m"]), &options).await);
+            assert_eq!(error, expected);
+            assert_eq!(error.serialize().name, "FanoutEnqueueError");
+            assert!(
+                error
+                    .to_string()
+                    .starts_with("Enqueue targets must be distinct configured target IDs"),
+            );
+        }
+        assert_eq!(snapshot(&*ctx), before);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn empty_ids_and_keys_are_rejected_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&Batches::default()))
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let empty_id = vec![input("ok"), FanoutInput::new("x".to_owned()).id("")];
+        assert_eq!(
+            rejected(fanout.enqueue(empty_id, &EnqueueOptions::all()).await),
+            EnqueueRejection::EmptyId {
+                index: 1,
+                field: "id"
+            }
+        );
+        let empty_key = vec![FanoutInput::new("x".to_owned()).deduplication_key("")];
+        let error = rejected(fanout.enqueue(empty_key, &EnqueueOptions::all()).await);
+        assert_eq!(
+            error,
+            EnqueueRejection::EmptyId {
+                index: 0,
+                field: "deduplication key"
+            }
+        );
+        assert!(
+            error
+                .to_string()
+                .starts_with("Message IDs and deduplication keys must be non-empty strings")
+        );
+        assert_eq!(snapshot(&*ctx), before);
+        // An empty batch is accepted and writes nothing.
+        let ids = accepted(fanout.enqueue(Vec::new(), &EnqueueOptions::all()).await);
+        assert!(ids.is_empty());
+        assert_eq!(snapshot(&*ctx), before);
+        // Ids of any text are fine, and a missing id is generated.
+        let odd = FanoutInput::new("x".to_owned()).id("ü/\"\n\u{0}");
+        let generated = FanoutInput::new("y".to_owned());
+        let ids = accepted(
+            fanout
+                .enqueue(vec![odd, generated], &EnqueueOptions::all())
+                .await,
+        );
+        assert_eq!(ids[0], "ü/\"\n\u{0}");
+        assert_eq!(ids[1].len(), 36, "a UUID");
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn bodies_that_are_too_large_or_not_json_are_rejected_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<serde_json::Value>::builder(&scheduler)
+            .target(
+                "a",
+                Target::consumer(|_: Vec<FanoutMessage<serde_json::Value>>| async {
+                    Ok::<_, HandlerError>(())
+                }),
+            )
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let ten_mb = serde_json::Value::String("x".repeat(10 * 1024 * 1024));
+        let batch = vec![
+            FanoutInput::new(serde_json::json!("small")).id("s"),
+            FanoutInput::new(ten_mb.clone()).id("big"),
+        ];
+        match rejected(fanout.enqueue(batch, &EnqueueOptions::all()).await) {
+            EnqueueRejection::BodyTooLarge {
+                index,
+                bytes,
+                max_bytes,
+            } => {
+                assert_eq!(index, 1);
+                assert!(bytes > 10 * 1024 * 1024);
+                assert_eq!(max_bytes, 1 << 20);
+            }
+            other => panic!("{other:?}"),
+        }
+        let nan = vec![FanoutInput::new(serde_json::json!({"n": 1})).id("n")];
+        accepted(fanout.enqueue(nan, &EnqueueOptions::all()).await);
+        assert_ne!(snapshot(&*ctx), before);
+        drop(fanout);
+        // Configurable, and a non-finite float is not JSON.
+        let second = Scheduler::new(h.context()).unwrap();
+        let small = Fanout::<f64>::builder(&second)
+            .target(
+                "a",
+                Target::consumer(|_: Vec<FanoutMessage<f64>>| async { Ok::<_, HandlerError>(()) }),
+            )
+            .max_body_bytes(30)
+            .batch_delay(Duration::from_secs(3_600))
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        assert!(matches!(
+            rejected(
+                small
+                    .enqueue(vec![FanoutInput::new(f64::NAN)], &EnqueueOptions::all())
+                    .await
+            ),
+            EnqueueRejection::BodyNotJson { index: 0, .. }
+        ));
+        assert!(matches!(
+            rejected(
+                small
+                    .enqueue(vec![FanoutInput::new(12_345.678)], &EnqueueOptions::all())
+                    .await
+            ),
+            EnqueueRejection::BodyTooLarge { max_bytes: 30, .. }
+        ));
+        assert_eq!(snapshot(&*ctx), before);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retry_delay_that_overflows_the_clock_is_rejected_and_leaves_the_message_unsettled() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let results: Rc<RefCell<Vec<Result<(), SettlementError>>>> = Rc::default();
+        let record = Rc::clone(&results);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let record = Rc::clone(&record);
+                    async move {
+                        let m = &batch[0];
+                        let huge = Duration::from_millis(u64::try_from(MAX_SAFE_INTEGER).unwrap());
+                        let outcome = m.retry_after(huge).await;
+                        record.borrow_mut().push(outcome);
+                        let outcome = m.retry_after(Duration::MAX).await;
+                        record.borrow_mut().push(outcome);
+                        // Still unsettled: a valid settlement is accepted.
+                        let outcome = m.ack().await;
+                        record.borrow_mut().push(outcome);
+                        Ok::<_, HandlerError>(())
+                    }
+                }),
+            )
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        let results = results.borrow();
+        assert!(matches!(
+            results[0],
+            Err(SettlementError::InvalidRetryDelay { delay_ms, now_ms })
+                if delay_ms == u128::try_from(MAX_SAFE_INTEGER).unwrap() && now_ms == START_MS
+        ));
+        assert!(matches!(
+            results[1],
+            Err(SettlementError::InvalidRetryDelay { .. })
+        ));
+        assert_eq!(results[2], Ok(()));
+        assert_eq!(deliveries(&*ctx), 0);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn invalid_configuration_is_a_typed_error_naming_the_rule() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let build = |f: &dyn Fn(
+            durability::FanoutBuilder<String>,
+        ) -> durability::FanoutBuilder<String>| {
+            f(Fanout::<String>::builder(&scheduler)).build().map(|_| ())
+        };
+        let target = || acking(&Batches::default());
+        assert!(matches!(build(&|b| b), Err(FanoutConfigError::NoTargets)));
+        assert!(matches!(
+            build(&|b| b.target("", target())),
+            Err(FanoutConfigError::InvalidTarget { id, .. }) if id.is_empty()
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target()).target("a", target())),
+            Err(FanoutConfigError::InvalidTarget { id, rule: "the id is configured twice" }) if id == "a"
+        ));
+        let storage_acking = || {
+            Target::storage(|_: StoredMessage<String>| async { Ok::<_, HandlerError>(()) })
+                .ack_on_return(true)
+        };
+        assert!(matches!(
+            build(&|b| b.target("s", storage_acking())),
+            Err(FanoutConfigError::InvalidTarget { .. })
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target()).max_batch_size(0)),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_batch_size"
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target()).max_body_bytes(0)),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_body_bytes"
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target()).batch_delay(Duration::MAX)),
+            Err(FanoutConfigError::Config(ConfigError::OutOfRange { .. }))
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target().policy(MethodPolicy::new().max_attempts(0)))),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "methods.a.max_attempts"
+        ));
+        assert!(matches!(
+            build(&|b| b.target("a", target()).attempt_timeout(Duration::ZERO)),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { .. }))
+        ));
+        // One fanout per scheduler.
+        let _first = Fanout::<String>::builder(&scheduler)
+            .target("a", target())
+            .build()
+            .unwrap();
+        assert!(matches!(
+            build(&|b| b.target("a", target())),
+            Err(FanoutConfigError::Config(ConfigError::DuplicateParticipant { .. }))
+        ));
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn enqueue_results_serialize_in_the_reference_shape() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("a", acking(&Batches::default()))
+            .build()
+            .unwrap();
+        let ok = fanout
+            .enqueue(inputs(&["m"]), &EnqueueOptions::all())
+            .await
+            .unwrap();
+        let json = serde_json::to_value(&ok).unwrap();
+        assert_eq!(json["success"], true);
+        assert_eq!(json["value"], serde_json::json!(["m"]));
+        assert_eq!(json["load"]["windowMs"], 60_000);
+        assert_eq!(json["load"]["outbound"]["pendingDeliveries"], 1);
+        assert!(json["load"]["outbound"]["averageProcessingMs"].is_null());
+        let no = fanout
+            .enqueue(inputs(&["m"]), &EnqueueOptions::to(["zz"]))
+            .await
+            .unwrap();
+        let json = serde_json::to_value(&no).unwrap();
+        assert_eq!(json["success"], false);
+        assert_eq!(json["error"]["name"], "FanoutEnqueueError");
+        let _: HashMap<String, serde_json::Value> = serde_json::from_value(json).unwrap();
+    })
+    .await;
+}
