@@ -16,7 +16,7 @@ use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Sql, StorageError, params};
+use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageError, params};
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, LibraryErrorKind};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
@@ -208,6 +208,28 @@ struct DueAlarm {
     scheduled_at: EpochMs,
 }
 
+impl DueAlarm {
+    /// Decodes one due row; a row that does not decode is reported with the
+    /// table and its name, so it can be found and rescheduled.
+    fn decode(row: &Row) -> Result<DueAlarm, DurabilityError> {
+        let decoded = (|| -> Result<DueAlarm, StorageError> {
+            Ok(DueAlarm {
+                name: row.get(0)?,
+                generation: row.get(1)?,
+                created_at: row.get(2)?,
+                scheduled_at: row.get(3)?,
+            })
+        })();
+        decoded.map_err(|error| DurabilityError::Decode {
+            table: ALARMS.name,
+            key: row
+                .get::<String>(0)
+                .unwrap_or_else(|_| format!("{:?}", row.values().first())),
+            detail: error.to_string(),
+        })
+    }
+}
+
 impl Alarms {
     /// Starts configuring the named alarms of the object behind `scheduler`.
     pub fn builder(scheduler: &Scheduler) -> AlarmsBuilder {
@@ -369,12 +391,7 @@ impl Participant for Inner {
             )?;
             let mut due = Vec::with_capacity(rows.len());
             for row in &rows {
-                due.push(DueAlarm {
-                    name: row.get(0)?,
-                    generation: row.get(1)?,
-                    created_at: row.get(2)?,
-                    scheduled_at: row.get(3)?,
-                });
+                due.push(DueAlarm::decode(row)?);
             }
             let this = &self;
             let results = self

@@ -1048,7 +1048,7 @@ async fn a_stored_row_that_does_not_decode_is_a_decode_error_naming_table_and_ke
             Some(failed_at + MIN_DELAY_MS - 1)
         );
         let before = retries.borrow().len();
-        tokio::time::sleep(Duration::from_millis(60_000)).await;
+        tokio::time::sleep(Duration::from_millis(61_000)).await;
         let retries = retries.borrow();
         // One failed run per min delay: 60 s / 15 s.
         assert_eq!(retries.len() - before, 4);
