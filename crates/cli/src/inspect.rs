@@ -27,13 +27,13 @@ pub struct InspectArgs {
 /// is not an error: it is listed with its reason.
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
-    #[error("cannot list the objects of {}: {source}", dir.display())]
+    #[error("cannot list the objects of {}", dir.display())]
     List {
         dir: PathBuf,
         #[source]
         source: durability_host::HostError,
     },
-    #[error("cannot encode the listing as JSON: {source}")]
+    #[error("cannot encode the listing as JSON")]
     Json {
         #[source]
         source: serde_json::Error,

@@ -191,7 +191,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             format!(
                 "host: {threads} executor threads, synchronous FULL; each call inserts one small row"
             ),
-            "÷ floor: calls/s divided by full/write, raw rusqlite inserting the same row".into(),
+            "÷ floor: calls/s divided by full/write, raw rusqlite inserting the same row on one connection; above 1 when commits to different object files overlap".into(),
         ],
     };
     runtime.block_on(async move {

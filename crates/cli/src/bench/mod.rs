@@ -49,13 +49,13 @@ pub struct BenchArgs {
 /// Why a benchmark could not run or could not save its results.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Sqlite {
         what: &'static str,
         #[source]
         source: rusqlite::Error,
     },
-    #[error("{what} {}: {source}", path.display())]
+    #[error("{what} {}", path.display())]
     Io {
         what: &'static str,
         path: PathBuf,
@@ -64,28 +64,28 @@ pub enum BenchError {
     },
     #[error("cannot build a latency histogram: {message}")]
     Histogram { message: String },
-    #[error("cannot write JSON results to {}: {source}", path.display())]
+    #[error("cannot write JSON results to {}", path.display())]
     Json {
         path: PathBuf,
         #[source]
         source: serde_json::Error,
     },
-    #[error("cannot start the benchmark's tokio runtime: {source}")]
+    #[error("cannot start the benchmark's tokio runtime")]
     Runtime {
         #[source]
         source: std::io::Error,
     },
-    #[error("the object host failed: {source}")]
+    #[error("the object host failed")]
     Host {
         #[from]
         source: durability_host::HostError,
     },
-    #[error("a call to a benchmark object failed: {source}")]
+    #[error("a call to a benchmark object failed")]
     Call {
         #[from]
         source: durability_host::CallError,
     },
-    #[error("a benchmark object's storage failed: {source}")]
+    #[error("a benchmark object's storage failed")]
     Storage {
         #[from]
         source: durability_platform::StorageError,

@@ -33,22 +33,22 @@ pub struct DemoArgs {
 /// Why the demo failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
-    #[error("cannot start the demo's tokio runtime: {source}")]
+    #[error("cannot start the demo's tokio runtime")]
     Runtime {
         #[source]
         source: std::io::Error,
     },
-    #[error("the object host failed: {source}")]
+    #[error("the object host failed")]
     Host {
         #[from]
         source: durability_host::HostError,
     },
-    #[error("a call to a demo object failed: {source}")]
+    #[error("a call to a demo object failed")]
     Call {
         #[from]
         source: durability_host::CallError,
     },
-    #[error("a demo object's storage failed: {source}")]
+    #[error("a demo object's storage failed")]
     Storage {
         #[from]
         source: durability_platform::StorageError,
@@ -59,7 +59,7 @@ pub enum DemoError {
         expected: usize,
         waited_s: u64,
     },
-    #[error("cannot encode the summary as JSON: {source}")]
+    #[error("cannot encode the summary as JSON")]
     Json {
         #[source]
         source: serde_json::Error,
