@@ -280,6 +280,18 @@ pub(crate) fn insert_delivery(
     Ok(inserted == 1)
 }
 
+/// `durability_fanout_deliveries_due_idx (target_id, ...) WHERE phase =
+/// 'delivery' AND attempt = 0`: one probe.
+const NEXT_FIRST_TARGET_SQL: &str = "SELECT target_id FROM durability_fanout_deliveries \
+     WHERE phase = 'delivery' AND attempt = 0 AND target_id > ? \
+     ORDER BY target_id LIMIT 1";
+
+/// `durability_fanout_deliveries_retry_idx (target_id, ...) WHERE attempt >
+/// 0`: one probe.
+const NEXT_CLAIMED_TARGET_SQL: &str = "SELECT target_id FROM durability_fanout_deliveries \
+     WHERE attempt > 0 AND target_id > ? \
+     ORDER BY target_id LIMIT 1";
+
 /// The smallest target id above `after` that has delivery rows: one step of
 /// a loose index scan (two index probes), so listing the targets costs
 /// O(targets · log rows) instead of a `DISTINCT` over every row. The two
@@ -288,20 +300,8 @@ pub(crate) fn insert_delivery(
 /// intent is only ever persisted by a claimed attempt). Target ids are never
 /// empty, so `after = ""` starts at the first one.
 pub(crate) fn next_target(sql: &dyn Sql, after: &str) -> Result<Option<String>, StorageError> {
-    // durability_fanout_deliveries_due_idx (target_id, ...) WHERE phase = 'delivery' AND attempt = 0
-    let first = sql.query_row(
-        "SELECT target_id FROM durability_fanout_deliveries \
-         WHERE phase = 'delivery' AND attempt = 0 AND target_id > ? \
-         ORDER BY target_id LIMIT 1",
-        &params![after],
-    )?;
-    // durability_fanout_deliveries_retry_idx (target_id, ...) WHERE attempt > 0
-    let claimed = sql.query_row(
-        "SELECT target_id FROM durability_fanout_deliveries \
-         WHERE attempt > 0 AND target_id > ? \
-         ORDER BY target_id LIMIT 1",
-        &params![after],
-    )?;
+    let first = sql.query_row(NEXT_FIRST_TARGET_SQL, &params![after])?;
+    let claimed = sql.query_row(NEXT_CLAIMED_TARGET_SQL, &params![after])?;
     let first: Option<String> = first.map(|row| row.get(0)).transpose()?;
     let claimed: Option<String> = claimed.map(|row| row.get(0)).transpose()?;
     Ok(match (first, claimed) {
@@ -309,6 +309,22 @@ pub(crate) fn next_target(sql: &dyn Sql, after: &str) -> Result<Option<String>, 
         (a, b) => a.or(b),
     })
 }
+
+const FIRST_DUE_SQL: &str = concat!(
+    "SELECT ",
+    delivery_columns!(),
+    " FROM durability_fanout_deliveries \
+     WHERE target_id = ? AND phase = 'delivery' AND attempt = 0 AND next_attempt_at <= ? \
+     ORDER BY next_attempt_at, seq LIMIT ?"
+);
+
+const RETRIES_DUE_SQL: &str = concat!(
+    "SELECT ",
+    delivery_columns!(),
+    " FROM durability_fanout_deliveries \
+     WHERE target_id = ? AND attempt > 0 AND next_attempt_at <= ? \
+     ORDER BY seq LIMIT ?"
+);
 
 /// Up to `limit` first deliveries of `target` due at `now`: by due time,
 /// then sequence. A first delivery is due at `first_attempt_at(created_at)`,
@@ -326,16 +342,7 @@ pub(crate) fn first_deliveries_due(
     now: EpochMs,
     limit: usize,
 ) -> Result<Vec<DeliveryRow>, FanoutError> {
-    let rows = sql.query(
-        concat!(
-            "SELECT ",
-            delivery_columns!(),
-            " FROM durability_fanout_deliveries \
-             WHERE target_id = ? AND phase = 'delivery' AND attempt = 0 AND next_attempt_at <= ? \
-             ORDER BY next_attempt_at, seq LIMIT ?"
-        ),
-        &params![target, now, limit_param(limit)],
-    )?;
+    let rows = sql.query(FIRST_DUE_SQL, &params![target, now, limit_param(limit)])?;
     decode_deliveries(&rows)
 }
 
@@ -352,16 +359,7 @@ pub(crate) fn retries_due(
     now: EpochMs,
     limit: usize,
 ) -> Result<Vec<DeliveryRow>, FanoutError> {
-    let rows = sql.query(
-        concat!(
-            "SELECT ",
-            delivery_columns!(),
-            " FROM durability_fanout_deliveries \
-             WHERE target_id = ? AND attempt > 0 AND next_attempt_at <= ? \
-             ORDER BY seq LIMIT ?"
-        ),
-        &params![target, now, limit_param(limit)],
-    )?;
+    let rows = sql.query(RETRIES_DUE_SQL, &params![target, now, limit_param(limit)])?;
     decode_deliveries(&rows)
 }
 
@@ -634,11 +632,128 @@ pub(crate) fn purge_parked_before(sql: &dyn Sql, before: EpochMs) -> Result<u64,
 
 #[cfg(test)]
 mod tests {
+    use std::rc::Rc;
+
+    use durability_host::{DurableObject, Host, ObjectContext};
+    use durability_platform::Context;
+
     use super::*;
+    use crate::migrations::{FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationTarget, migrate};
 
     #[test]
     fn json_pair_matches_json_stringify() {
         assert_eq!(json_pair("k", "t"), r#"["k","t"]"#);
         assert_eq!(json_pair("a\"b", "é/\n"), r#"["a\"b","é/\n"]"#);
+    }
+
+    struct Plain {
+        ctx: ObjectContext,
+    }
+
+    impl DurableObject for Plain {}
+
+    /// SQLite's plan for `query`, one step per line.
+    fn plan(sql: &dyn Sql, query: &str, params: &[Value]) -> String {
+        sql.query(&format!("EXPLAIN QUERY PLAN {query}"), params)
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String>(3).unwrap())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The queries a pass runs, on a real SQLite with the real schema: each
+    /// is a range of the index its comment names, and only the retries
+    /// query sorts (the due retries, never the backlog).
+    #[tokio::test]
+    async fn every_per_pass_query_reads_a_range_of_its_index() {
+        let plans = tokio::task::LocalSet::new()
+            .run_until(async {
+                let dir = tempfile::tempdir().unwrap();
+                let host = Host::builder(dir.path()).threads(0).build().unwrap();
+                let objects = host.namespace("plans", |ctx| Ok(Plain { ctx })).unwrap();
+                let plans = objects
+                    .stub("o")
+                    .unwrap()
+                    .call(|object: Rc<Plain>| async move {
+                        let ctx = object.ctx.clone().into_dyn();
+                        let sql = ctx.storage();
+                        migrate(sql, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationTarget::Latest)
+                            .unwrap();
+                        let due = params!["t", 0_i64, 10_i64];
+                        vec![
+                            ("first due", plan(sql, FIRST_DUE_SQL, &due)),
+                            ("retries due", plan(sql, RETRIES_DUE_SQL, &due)),
+                            ("next first target", plan(sql, NEXT_FIRST_TARGET_SQL, &params![""])),
+                            ("next claimed target", plan(sql, NEXT_CLAIMED_TARGET_SQL, &params![""])),
+                            (
+                                "earliest pending (the scheduler's)",
+                                plan(
+                                    sql,
+                                    "SELECT id AS pk, next_attempt_at FROM durability_fanout_deliveries \
+                                     WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?",
+                                    &params![1_i64],
+                                ),
+                            ),
+                            (
+                                "parked page",
+                                plan(
+                                    sql,
+                                    concat!(
+                                        "SELECT ",
+                                        parked_columns!(),
+                                        " FROM durability_fanout_parked WHERE (parked_at, id) > (?, ?) \
+                                         ORDER BY parked_at, id LIMIT ?"
+                                    ),
+                                    &params![0_i64, "", 10_i64],
+                                ),
+                            ),
+                        ]
+                    })
+                    .await
+                    .unwrap();
+                host.shutdown().await;
+                plans
+            })
+            .await;
+        let expected = [
+            ("first due", "durability_fanout_deliveries_due_idx", false),
+            (
+                "retries due",
+                "durability_fanout_deliveries_retry_idx",
+                true,
+            ),
+            (
+                "next first target",
+                "durability_fanout_deliveries_due_idx",
+                false,
+            ),
+            (
+                "next claimed target",
+                "durability_fanout_deliveries_retry_idx",
+                false,
+            ),
+            (
+                "earliest pending (the scheduler's)",
+                "durability_fanout_deliveries_pending_idx",
+                false,
+            ),
+            ("parked page", "durability_fanout_parked_at_idx", false),
+        ];
+        for ((name, plan), (expected_name, index, may_sort)) in plans.iter().zip(expected) {
+            assert_eq!(*name, expected_name);
+            assert!(
+                plan.contains(&format!(
+                    "SEARCH durability_fanout_{}",
+                    if name.starts_with("parked") {
+                        "parked"
+                    } else {
+                        "deliveries"
+                    }
+                )) && plan.contains(index),
+                "{name}: {plan}"
+            );
+            assert_eq!(plan.contains("TEMP B-TREE"), may_sort, "{name}: {plan}");
+        }
     }
 }
