@@ -635,7 +635,6 @@ mod tests {
     use std::rc::Rc;
 
     use durability_host::{DurableObject, Host, ObjectContext};
-    use durability_platform::Context;
 
     use super::*;
     use crate::migrations::{FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationTarget, migrate};
