@@ -59,8 +59,15 @@
 //!   (a second log on the same object is refused); it never has due work.
 //! - The reference's `(appended_at, offset)` index is not created: no query
 //!   uses it.
+//! - A record appended without a key gets `<random instance id>:<offset in
+//!   hex>` rather than a UUID of its own: just as unique, and ascending, so
+//!   the UNIQUE key index grows at its end instead of taking a random insert
+//!   per record.
+//! - [`Log::forget_cold_before`] returns the forgotten segments (with their
+//!   locators), not only their count, so the caller can delete the objects.
 //!
-//! Owns the `durability_log_*` tables; all their SQL is in [`store`].
+//! Owns the `durability_log_*` tables; all their SQL is in the `store`
+//! submodule.
 
 mod cold;
 mod leases;
@@ -68,7 +75,9 @@ mod retention;
 mod store;
 
 pub use cold::{ColdError, ColdStorage, Segment, SegmentRecord};
-pub use leases::{Lease, Leases, PoisonHook, PoisonedRange};
+pub use leases::{
+    DEFAULT_LEASE, DEFAULT_MAX_PARALLELISM, Lease, Leases, PoisonHook, PoisonedRange,
+};
 pub use retention::{MAX_LOG_BYTES, Retention};
 
 use std::cell::RefCell;
@@ -371,17 +380,6 @@ pub enum LogError {
         "batch {batch_id:?} of consumer {consumer:?} is not held: it was settled, reclaimed after its lease expired, or never existed"
     )]
     LeaseNotHeld { consumer: String, batch_id: String },
-}
-
-impl From<DurabilityError> for LogError {
-    fn from(error: DurabilityError) -> Self {
-        match error {
-            DurabilityError::Storage(error) => LogError::Storage(error),
-            other => LogError::Storage(StorageError::Sql {
-                message: other.to_string(),
-            }),
-        }
-    }
 }
 
 /// Configures a [`Log`]; every option has a validated default.
