@@ -2,13 +2,15 @@
 //! the capabilities, and the only code of the workspace that prints to the
 //! terminal.
 //!
-//! Each subcommand lives in its own module (`demo`, `inspect`, `bench`) with
+//! Each subcommand lives in its own module (`demo`, `inspect`, `bench`,
+//! `torture`) with
 //! its own clap arguments and its own error type; this file only parses the
 //! command line, sets up logging and turns an error into an exit code.
 
 mod bench;
 mod demo;
 mod inspect;
+mod torture;
 
 use std::error::Error as _;
 use std::io::Write as _;
@@ -35,6 +37,12 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     Bench(bench::BenchArgs),
+    /// Kill a workload's process with SIGKILL again and again, then check
+    /// that every guarantee held; exits non-zero on any violation.
+    Torture(torture::TortureArgs),
+    /// One life of a torture workload (started and killed by `torture`).
+    #[command(hide = true)]
+    TortureChild(torture::ChildArgs),
 }
 
 /// Why a subcommand failed. Each variant is the error of one subcommand,
@@ -47,6 +55,8 @@ enum CliError {
     Inspect(#[from] inspect::InspectError),
     #[error(transparent)]
     Bench(#[from] bench::BenchError),
+    #[error(transparent)]
+    Torture(#[from] torture::TortureError),
 }
 
 fn main() -> ExitCode {
@@ -64,19 +74,37 @@ fn main() -> ExitCode {
         Command::Demo(args) => demo::run(&args).map_err(CliError::from),
         Command::Inspect(args) => inspect::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
+        // A torture verdict is printed whether it passed or not; the exit
+        // code says which.
+        Command::Torture(args) => {
+            return match torture::run(&args).and_then(|v| torture::report(&v, &args)) {
+                Ok((text, true)) => print(&text),
+                Ok((text, false)) => {
+                    print(&text);
+                    ExitCode::FAILURE
+                }
+                Err(error) => fail(&CliError::from(error)),
+            };
+        }
+        Command::TortureChild(args) => {
+            return torture::run_child(&args).unwrap_or_else(|error| fail(&CliError::from(error)));
+        }
     };
     match outcome {
         Ok(text) => print(&text),
-        Err(error) => {
-            eprintln!("error: {error}");
-            let mut source = error.source();
-            while let Some(cause) = source {
-                eprintln!("  caused by: {cause}");
-                source = cause.source();
-            }
-            ExitCode::FAILURE
-        }
+        Err(error) => fail(&error),
     }
+}
+
+/// Prints an error and its causes to stderr.
+fn fail(error: &CliError) -> ExitCode {
+    eprintln!("error: {error}");
+    let mut source = error.source();
+    while let Some(cause) = source {
+        eprintln!("  caused by: {cause}");
+        source = cause.source();
+    }
+    ExitCode::FAILURE
 }
 
 /// Prints a command's output. A closed pipe (`durability inspect DIR | head`)

@@ -1,0 +1,195 @@
+//! Checks over handler attempts that every record capability promises
+//! (operations, named alarms, later fanout deliveries), read from the
+//! handlers' [`AttemptFact`]s alone:
+//!
+//! - no attempt number above the maximum (or below 1) ever ran;
+//! - no attempt number of one generation ran twice: the claim commits the
+//!   number before the handler runs, so a crash uses it up;
+//! - within one process, one record never has two handlers running at once
+//!   (across generations too: a named alarm's replacement waits).
+//!
+//! What remains is a ledger of how each attempt returned, which the
+//! workload's checker compares with the stored settlements.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::verdict::{Tally, Violation};
+use super::workload::{AttemptFact, Outcome};
+
+/// One attempt: object, key, generation, attempt number.
+type AttemptKey = (String, String, String, u32);
+
+/// How every journaled attempt returned.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    returned: HashMap<AttemptKey, Outcome>,
+}
+
+impl Ledger {
+    /// Checks `facts` (in journal order) and keeps their outcomes.
+    pub fn check(facts: &[AttemptFact], max_attempts: u32, tally: &mut Tally) -> Ledger {
+        let mut ledger = Ledger::default();
+        let mut began: HashSet<AttemptKey> = HashSet::new();
+        let mut over: HashSet<AttemptKey> = HashSet::new();
+        // Per (life, object, key): the attempt whose handler is running.
+        let mut running: HashMap<(u32, &str, &str), u32> = HashMap::new();
+        let mut outcomes: BTreeMap<&'static str, u64> = BTreeMap::new();
+        let mut retries = 0_u64;
+        for fact in facts {
+            let key: AttemptKey = (
+                fact.object.clone(),
+                fact.key.clone(),
+                fact.generation.clone(),
+                fact.attempt,
+            );
+            if (fact.attempt == 0 || fact.attempt > max_attempts) && over.insert(key.clone()) {
+                tally.flag(
+                    Violation::OverAttempts,
+                    format!(
+                        "{} ran attempt {} of generation {} (max {max_attempts})",
+                        fact.key, fact.attempt, fact.generation
+                    ),
+                );
+            }
+            let slot = (fact.life, fact.object.as_str(), fact.key.as_str());
+            match fact.returned {
+                None => {
+                    if !began.insert(key) {
+                        tally.flag(
+                            Violation::Broken("duplicate_attempts"),
+                            format!(
+                                "{} ran attempt {} of generation {} twice",
+                                fact.key, fact.attempt, fact.generation
+                            ),
+                        );
+                    }
+                    if let Some(other) = running.insert(slot, fact.attempt) {
+                        tally.flag(
+                            Violation::Broken("overlapping_handlers"),
+                            format!(
+                                "{} began attempt {} in life {} while attempt {other} still ran",
+                                fact.key, fact.attempt, fact.life
+                            ),
+                        );
+                    }
+                    if fact.attempt > 1 {
+                        retries += 1;
+                    }
+                }
+                Some(outcome) => {
+                    if running.remove(&slot) != Some(fact.attempt) {
+                        tally.flag(
+                            Violation::Broken("unmatched_returns"),
+                            format!(
+                                "{} returned attempt {} in life {} without having begun it",
+                                fact.key, fact.attempt, fact.life
+                            ),
+                        );
+                    }
+                    *outcomes.entry(outcome_name(outcome)).or_default() += 1;
+                    ledger.returned.insert(key, outcome);
+                }
+            }
+        }
+        let invocations = u64::try_from(began.len()).unwrap_or(u64::MAX);
+        let returns = u64::try_from(ledger.returned.len()).unwrap_or(u64::MAX);
+        tally.detail("invocations", invocations);
+        // Handlers a kill cut off: their attempt stays used up.
+        tally.detail(
+            "interrupted_invocations",
+            invocations.saturating_sub(returns),
+        );
+        tally.detail("retry_invocations", retries);
+        tally.detail(
+            "returned",
+            serde_json::to_value(&outcomes).unwrap_or_default(),
+        );
+        ledger
+    }
+
+    /// How attempt `attempt` of `generation` of `key` on `object` returned,
+    /// if its handler journaled a return.
+    pub fn outcome(
+        &self,
+        object: &str,
+        key: &str,
+        generation: &str,
+        attempt: u32,
+    ) -> Option<Outcome> {
+        self.returned
+            .get(&(
+                object.to_owned(),
+                key.to_owned(),
+                generation.to_owned(),
+                attempt,
+            ))
+            .copied()
+    }
+}
+
+fn outcome_name(outcome: Outcome) -> &'static str {
+    match outcome {
+        Outcome::Ok => "ok",
+        Outcome::Transient => "transient",
+        Outcome::Permanent => "permanent",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fact(attempt: u32, life: u32, returned: Option<Outcome>) -> AttemptFact {
+        AttemptFact {
+            returned,
+            object: "o".into(),
+            key: "op-1".into(),
+            generation: "g".into(),
+            attempt,
+            life,
+            scheduled_time: None,
+        }
+    }
+
+    #[test]
+    fn an_attempt_above_the_maximum_is_an_over_attempt() {
+        let mut tally = Tally::default();
+        let facts = [fact(3, 0, None), fact(3, 0, Some(Outcome::Ok))];
+        Ledger::check(&facts, 2, &mut tally);
+        assert_eq!(tally.over_attempts, 1);
+    }
+
+    #[test]
+    fn the_same_attempt_number_running_twice_is_a_duplicate_attempt() {
+        let mut tally = Tally::default();
+        // Life 0 was killed during attempt 1; life 1 must claim attempt 2.
+        let facts = [fact(1, 0, None), fact(1, 1, None)];
+        Ledger::check(&facts, 5, &mut tally);
+        assert_eq!(tally.broken.get("duplicate_attempts"), Some(&1));
+        assert_eq!(tally.violations(), 1);
+    }
+
+    #[test]
+    fn a_second_handler_of_one_record_in_one_life_is_an_overlap() {
+        let mut tally = Tally::default();
+        let facts = [fact(1, 0, None), fact(2, 0, None)];
+        Ledger::check(&facts, 5, &mut tally);
+        assert_eq!(tally.broken.get("overlapping_handlers"), Some(&1));
+    }
+
+    #[test]
+    fn retries_across_kills_within_the_maximum_are_clean() {
+        let mut tally = Tally::default();
+        let facts = [
+            fact(1, 0, None),
+            fact(2, 1, None),
+            fact(2, 1, Some(Outcome::Transient)),
+            fact(3, 1, None),
+            fact(3, 1, Some(Outcome::Ok)),
+        ];
+        let ledger = Ledger::check(&facts, 3, &mut tally);
+        assert_eq!(tally.violations(), 0);
+        assert_eq!(ledger.outcome("o", "op-1", "g", 3), Some(Outcome::Ok));
+        assert_eq!(ledger.outcome("o", "op-1", "g", 1), None);
+    }
+}

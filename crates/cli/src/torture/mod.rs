@@ -1,0 +1,313 @@
+//! `durability torture`: crash torture of the capabilities on the real host.
+//!
+//! For each workload the supervisor ([`supervisor`]) runs the same binary as
+//! a child (`durability torture-child`, hidden) on one data directory, kills
+//! it with SIGKILL at seeded random moments, restarts it, and finally lets
+//! one life finish and wait until all accepted work is settled. The child
+//! ([`child`]) runs a workload's producer, handlers and consumers on the
+//! thread-mode host, and journals what they saw in fsync'd files
+//! ([`journal`]). The workload's checker then compares those facts with the
+//! final databases, opened read-only, and the [`verdict`] says whether every
+//! guarantee held.
+//!
+//! The module owns the command's arguments, the registry of workloads and
+//! the run's directory; each workload is one module implementing
+//! [`workload::Workload`]. It must not touch a database the child has open:
+//! the checker runs only after the final child exited.
+
+mod alarms;
+mod attempts;
+mod child;
+mod journal;
+mod operations;
+mod supervisor;
+mod verdict;
+mod workload;
+
+use std::fs;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::builder::{PossibleValue, PossibleValuesParser};
+
+pub use verdict::Verdict;
+use verdict::{Tally, WorkloadReport};
+use workload::{Files, Finished, Life, Workload};
+
+/// `--workload all` runs every registered workload, in registry order.
+const ALL: &str = "all";
+
+/// Arguments of `durability torture`.
+#[derive(Debug, clap::Args)]
+pub struct TortureArgs {
+    /// The workload to torture, or `all` for every one.
+    #[arg(long, default_value = ALL, value_parser = workload_names())]
+    workload: String,
+    /// How many times each workload's process is killed with SIGKILL before
+    /// its final life.
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    kills: u32,
+    /// Where the runs put their databases and journals (one sub-directory per
+    /// workload, kept afterwards). Default: a temporary directory, removed.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// Seed of the kill moments and of the handlers' failures. Default: a
+    /// random one, printed with the verdict so a run can be repeated.
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Print the verdict as one JSON object (`kills`, `accepted`,
+    /// `completed`, `lost`, `over_attempts`, `stale_settlements`,
+    /// `violations`, per-workload detail) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of `durability torture-child`, the process the supervisor
+/// kills. Not for people: the supervisor passes all of them.
+#[derive(Debug, clap::Args)]
+pub struct ChildArgs {
+    #[arg(long, value_parser = PossibleValuesParser::new(WORKLOADS.iter().map(|w| w.name)))]
+    workload: String,
+    /// The workload's run directory.
+    #[arg(long)]
+    dir: PathBuf,
+    #[arg(long)]
+    seed: u64,
+    /// Which life this is, from 0.
+    #[arg(long)]
+    life: u32,
+    /// Items of the whole run.
+    #[arg(long)]
+    items: u64,
+    /// The final life: finish production, wait until everything accepted is
+    /// settled, exit.
+    #[arg(long = "final")]
+    is_final: bool,
+}
+
+/// Why a torture run could not be carried out. Violations of guarantees are
+/// not errors: they are the verdict.
+#[derive(Debug, thiserror::Error)]
+pub enum TortureError {
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} already exists and is not a torture run directory; remove it or pick another --data-dir", path.display())]
+    NotARunDirectory { path: PathBuf },
+    #[error("cannot start the child process {}: {source}", program.display())]
+    Spawn {
+        program: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot encode {what} as JSON: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot decode {}: {source}", path.display())]
+    Decode {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("a thread panicked while appending to the journal {}", path.display())]
+    JournalPoisoned { path: PathBuf },
+    #[error("cannot read the database {}: {source}", path.display())]
+    Database {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("cannot start the child's tokio runtime: {source}")]
+    Runtime {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the object host failed: {source}")]
+    Host {
+        #[from]
+        source: durability_host::HostError,
+    },
+    #[error("a call to a torture object failed: {source}")]
+    Call {
+        #[from]
+        source: durability_host::CallError,
+    },
+    #[error("a torture object's storage failed: {source}")]
+    Storage {
+        #[from]
+        source: durability_platform::StorageError,
+    },
+    #[error("the capability refused a call: {source}")]
+    Durability {
+        #[from]
+        source: durability::DurabilityError,
+    },
+    #[error("the log refused a call: {source}")]
+    Log {
+        #[from]
+        source: durability::LogError,
+    },
+    #[error("no object {index} in the workload")]
+    NoObject { index: u64 },
+    #[error("the child was not killed within {seconds} s; the supervisor must be gone")]
+    Orphaned { seconds: u64 },
+    #[error("unknown workload {name:?}")]
+    UnknownWorkload { name: String },
+}
+
+/// One registered workload: its name and its two halves, the child's life
+/// and the checker, monomorphized from its [`Workload`] implementation.
+struct Entry {
+    name: &'static str,
+    about: &'static str,
+    life: fn(&Life) -> Result<child::Ending, TortureError>,
+    check: fn(&Finished) -> Result<Tally, TortureError>,
+}
+
+const fn entry<W: Workload>() -> Entry {
+    Entry {
+        name: W::NAME,
+        about: W::ABOUT,
+        life: child::live::<W>,
+        check: W::check,
+    }
+}
+
+/// Every workload, in the order `--workload all` runs them. The fanout
+/// workload joins here once the fanout capability is in the tree.
+const WORKLOADS: &[Entry] = &[
+    entry::<operations::OperationsWorkload>(),
+    entry::<alarms::AlarmsWorkload>(),
+];
+
+fn workload_names() -> PossibleValuesParser {
+    let mut values = vec![PossibleValue::new(ALL).help("every workload below, one after another")];
+    values.extend(
+        WORKLOADS
+            .iter()
+            .map(|w| PossibleValue::new(w.name).help(w.about)),
+    );
+    PossibleValuesParser::new(values)
+}
+
+/// Runs `durability torture` and returns its verdict.
+pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
+    let started = Instant::now();
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let selected: Vec<&Entry> = if args.workload == ALL {
+        WORKLOADS.iter().collect()
+    } else {
+        let entry = WORKLOADS
+            .iter()
+            .find(|w| w.name == args.workload)
+            .ok_or_else(|| TortureError::UnknownWorkload {
+                name: args.workload.clone(),
+            })?;
+        vec![entry]
+    };
+
+    // The temporary directory lives until the end of this function, so its
+    // files are removed even when a run fails.
+    let temporary;
+    let root = match &args.data_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            temporary = tempfile::Builder::new()
+                .prefix("durability-torture-")
+                .tempdir()
+                .map_err(|source| TortureError::Io {
+                    what: "cannot create a temporary directory in",
+                    path: std::env::temp_dir(),
+                    source,
+                })?;
+            temporary.path().to_path_buf()
+        }
+    };
+
+    let mut reports = Vec::with_capacity(selected.len());
+    for entry in selected {
+        let files = prepare(root.join(entry.name))?;
+        let began = Instant::now();
+        let supervised = supervisor::supervise(entry.name, &files, seed, args.kills)?;
+        let manifest = supervisor::read_manifest(&files)?;
+        let finished = Finished { files, manifest };
+        let mut tally = (entry.check)(&finished)?;
+        supervised.add_to(&mut tally);
+        reports.push(WorkloadReport {
+            workload: entry.name,
+            kills: supervised.kills,
+            elapsed: began.elapsed(),
+            tally,
+        });
+    }
+    Ok(Verdict {
+        seed,
+        reports,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Renders a verdict as `--json` asks; also returns whether it passed (the
+/// command fails on any violation).
+pub fn report(verdict: &Verdict, args: &TortureArgs) -> Result<(String, bool), TortureError> {
+    let text = if args.json {
+        serde_json::to_string_pretty(&verdict.to_json()).map_err(|source| TortureError::Encode {
+            what: "the verdict",
+            source,
+        })?
+    } else {
+        verdict.render()
+    };
+    Ok((text, verdict.passed()))
+}
+
+/// Runs one life of `durability torture-child` and returns its exit code.
+pub fn run_child(args: &ChildArgs) -> Result<ExitCode, TortureError> {
+    let entry = WORKLOADS
+        .iter()
+        .find(|w| w.name == args.workload)
+        .ok_or_else(|| TortureError::UnknownWorkload {
+            name: args.workload.clone(),
+        })?;
+    let life = Life {
+        files: Files::new(args.dir.clone()),
+        seed: args.seed,
+        index: args.life,
+        is_final: args.is_final,
+        items: args.items,
+    };
+    Ok((entry.life)(&life)?.exit_code())
+}
+
+/// Makes `dir` a fresh run directory: a previous run's directory (it holds
+/// the marker) is cleared, anything else that is not empty is refused.
+fn prepare(dir: PathBuf) -> Result<Files, TortureError> {
+    let files = Files::new(dir.clone());
+    let io = |what, source| TortureError::Io {
+        what,
+        path: dir.clone(),
+        source,
+    };
+    if dir.exists() {
+        let empty = fs::read_dir(&dir)
+            .map_err(|e| io("cannot read the run directory", e))?
+            .next()
+            .is_none();
+        if !empty && !files.marker().exists() {
+            return Err(TortureError::NotARunDirectory { path: dir });
+        }
+        fs::remove_dir_all(&dir).map_err(|e| io("cannot clear the previous run in", e))?;
+    }
+    fs::create_dir_all(&dir).map_err(|e| io("cannot create the run directory", e))?;
+    fs::write(files.marker(), b"durability torture run directory\n")
+        .map_err(|e| io("cannot mark the run directory", e))?;
+    Ok(files)
+}

@@ -1,0 +1,245 @@
+//! The supervising side of a torture run: starts each life of a workload as
+//! a child process of this same binary, kills every ordinary life with
+//! SIGKILL at a seeded random moment, and lets the final life finish.
+//!
+//! Lives never overlap: a killed child is reaped before the next one starts,
+//! so two processes never serve the same data directory.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write as _;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+
+use super::TortureError;
+use super::child::{EXIT_UNSETTLED, SETTLE_TIMEOUT};
+use super::verdict::{Tally, Violation};
+use super::workload::{Files, ITEMS_PER_LIFE, Manifest, roll};
+
+/// The earliest moment after its start that a life is killed, in
+/// milliseconds: before its host has even opened a file.
+const KILL_DELAY_MIN_MS: u64 = 5;
+/// The latest moment a life is killed, in milliseconds: well into
+/// production, handler runs and retries.
+const KILL_DELAY_MAX_MS: u64 = 300;
+
+/// What the final life may take on top of its settle timeout: start-up,
+/// the rest of production, shutdown.
+const FINAL_LIFE_SLACK: Duration = Duration::from_secs(60);
+
+/// How often the supervisor looks whether the final life has ended.
+const POLL: Duration = Duration::from_millis(10);
+
+/// Lines of the children's stderr quoted when a life failed.
+const STDERR_TAIL_LINES: usize = 4;
+
+/// What happened to the lives of one workload, beyond what the journals say.
+#[derive(Debug, Default)]
+pub struct Supervised {
+    /// Lives killed with SIGKILL.
+    pub kills: u32,
+    /// Lives that ended in a way they must not: an ordinary life that exited
+    /// by itself, a final life that failed or never ended.
+    failures: Vec<String>,
+    /// The final life's work did not settle within its timeout.
+    unsettled: bool,
+    final_life: Duration,
+}
+
+impl Supervised {
+    /// Adds the harness's own findings to the checker's tally.
+    pub fn add_to(&self, tally: &mut Tally) {
+        for failure in &self.failures {
+            tally.flag(Violation::Broken("child_failures"), failure.clone());
+        }
+        if self.unsettled {
+            tally.flag(
+                Violation::Broken("settle_timeouts"),
+                format!(
+                    "accepted work was still unsettled {} s after the final life's production ended",
+                    SETTLE_TIMEOUT.as_secs()
+                ),
+            );
+        }
+        tally.detail(
+            "final_life_ms",
+            u64::try_from(self.final_life.as_millis()).unwrap_or(u64::MAX),
+        );
+    }
+}
+
+/// Runs every life of workload `workload` in `files`: `kills` killed ones,
+/// then the final one.
+pub fn supervise(
+    workload: &str,
+    files: &Files,
+    seed: u64,
+    kills: u32,
+) -> Result<Supervised, TortureError> {
+    let items = ITEMS_PER_LIFE.saturating_mul(u64::from(kills) + 1);
+    let mut moments = StdRng::seed_from_u64(roll(seed, "kill moments", workload, 0));
+    let mut supervised = Supervised::default();
+    for life in 0..kills {
+        let mut child = spawn(workload, files, seed, life, items, false)?;
+        let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
+        std::thread::sleep(Duration::from_millis(delay));
+        // An error here means the child already exited; `wait` says how.
+        let _ = child.kill();
+        let status = wait(&mut child, files)?;
+        if killed(&status) {
+            supervised.kills += 1;
+        } else {
+            supervised.failures.push(format!(
+                "life {life} ended by itself ({status}) before it was killed{}",
+                stderr_tail(files)
+            ));
+        }
+    }
+
+    let started = Instant::now();
+    let mut child = spawn(workload, files, seed, kills, items, true)?;
+    let deadline = started + SETTLE_TIMEOUT + FINAL_LIFE_SLACK;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if Instant::now() >= deadline => break None,
+            Ok(None) => std::thread::sleep(POLL),
+            Err(source) => {
+                return Err(TortureError::Io {
+                    what: "cannot wait for the child of",
+                    path: files.dir().to_path_buf(),
+                    source,
+                });
+            }
+        }
+    };
+    supervised.final_life = started.elapsed();
+    match status {
+        Some(status) if status.success() => {}
+        Some(status) if status.code() == Some(i32::from(EXIT_UNSETTLED)) => {
+            supervised.unsettled = true;
+        }
+        Some(status) => supervised.failures.push(format!(
+            "the final life failed ({status}){}",
+            stderr_tail(files)
+        )),
+        None => {
+            let _ = child.kill();
+            wait(&mut child, files)?;
+            supervised.failures.push(format!(
+                "the final life did not end within {} s and was killed{}",
+                deadline.duration_since(started).as_secs(),
+                stderr_tail(files)
+            ));
+        }
+    }
+    Ok(supervised)
+}
+
+/// Reads the object manifest the lives wrote; none if no life got that far.
+pub fn read_manifest(files: &Files) -> Result<Manifest, TortureError> {
+    let path = files.manifest();
+    match fs::read(&path) {
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map_err(|source| TortureError::Decode { path, source })
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(Manifest::default()),
+        Err(source) => Err(TortureError::Io {
+            what: "cannot read the object manifest",
+            path,
+            source,
+        }),
+    }
+}
+
+/// Starts life `life` of `workload`, its stderr appended to the run's
+/// children log under a header naming the life.
+fn spawn(
+    workload: &str,
+    files: &Files,
+    seed: u64,
+    life: u32,
+    items: u64,
+    is_final: bool,
+) -> Result<Child, TortureError> {
+    let log_path = files.children_log();
+    let io = |source| TortureError::Io {
+        what: "cannot open the children's log",
+        path: log_path.clone(),
+        source,
+    };
+    let mut log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(io)?;
+    writeln!(
+        log,
+        "--- life {life}{} ---",
+        if is_final { " (final)" } else { "" }
+    )
+    .map_err(io)?;
+    let program = std::env::current_exe().map_err(|source| TortureError::Spawn {
+        program: "the current executable".into(),
+        source,
+    })?;
+    let mut command = Command::new(&program);
+    command
+        .arg("torture-child")
+        .arg("--workload")
+        .arg(workload)
+        .arg("--dir")
+        .arg(files.dir())
+        .arg("--seed")
+        .arg(seed.to_string())
+        .arg("--life")
+        .arg(life.to_string())
+        .arg("--items")
+        .arg(items.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    if is_final {
+        command.arg("--final");
+    }
+    command
+        .spawn()
+        .map_err(|source| TortureError::Spawn { program, source })
+}
+
+fn wait(child: &mut Child, files: &Files) -> Result<ExitStatus, TortureError> {
+    child.wait().map_err(|source| TortureError::Io {
+        what: "cannot wait for the child of",
+        path: files.dir().to_path_buf(),
+        source,
+    })
+}
+
+/// Whether the child died of our SIGKILL (and not of anything else).
+#[cfg(unix)]
+fn killed(status: &ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt as _;
+    status.signal() == Some(libc::SIGKILL)
+}
+
+/// Without signals, a killed child is one that did not exit successfully.
+#[cfg(not(unix))]
+fn killed(status: &ExitStatus) -> bool {
+    !status.success()
+}
+
+/// The last lines of the children's stderr, to quote in a failure.
+fn stderr_tail(files: &Files) -> String {
+    let path = files.children_log();
+    let Ok(text) = fs::read_to_string(&path) else {
+        return String::new();
+    };
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines
+        .get(lines.len().saturating_sub(STDERR_TAIL_LINES)..)
+        .unwrap_or_default()
+        .join(" | ");
+    format!("; stderr ({}): {tail}", path.display())
+}
