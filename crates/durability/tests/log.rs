@@ -642,6 +642,31 @@ async fn trim_removes_oldest_first_by_age_and_never_runs_by_itself() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn concurrent_trims_write_each_segment_once() {
+    support::on_harness(|h| async move {
+        let cold = MemoryCold::default();
+        let (_s, b) = builder(&h);
+        let log = b
+            .max_batch_size(5)
+            .retention(Retention::new().max_records(5))
+            .cold(cold.handle())
+            .build()
+            .unwrap();
+        for i in 0..4 {
+            append(&log, records(i * 5, 5)).await;
+        }
+        let (a, b) = futures::join!(log.trim(), log.trim());
+        assert_eq!(a.unwrap() + b.unwrap(), 15);
+        assert_eq!(cold.writes.get(), 3);
+        assert_eq!(
+            read_all(&log, 0).await.unwrap(),
+            (0..20).collect::<Vec<_>>()
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn trim_without_retention_removes_nothing() {
     support::on_harness(|h| async move {
         let (_s, b) = builder(&h);

@@ -344,6 +344,37 @@ async fn a_range_flushed_while_held_is_served_from_cold_storage_on_redelivery() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn concurrent_lease_calls_get_disjoint_ranges_while_cold_reads_yield() {
+    support::on_harness(|h| async move {
+        let cold = MemoryCold::default();
+        let (_s, b) = builder(&h);
+        let log = b
+            .max_batch_size(4)
+            .retention(Retention::new().max_records(1))
+            .cold(cold.handle())
+            .leases(Leases::new().max_parallelism(4))
+            .build()
+            .unwrap();
+        for i in 0..4 {
+            append(&log, records(i * 4, 4)).await;
+        }
+        log.trim().await.unwrap();
+        let (a, b, c) = futures::join!(
+            lease(&log, "c", 4),
+            lease(&log, "c", 4),
+            lease(&log, "c", 4)
+        );
+        let mut all: Vec<u64> = [a, b, c]
+            .iter()
+            .flat_map(|lease| offsets(lease.as_ref().unwrap()))
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..12).collect::<Vec<_>>());
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_range_whose_records_were_trimmed_away_is_truncated_until_the_consumer_commits_past_it() {
     support::on_harness(|h| async move {
         let (_s, b) = builder(&h);
