@@ -61,6 +61,10 @@ pub struct TortureArgs {
     /// `violations`, per-workload detail) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Check the run already in --data-dir again instead of running one
+    /// (after a failure, or after looking at its files).
+    #[arg(long, requires = "data_dir")]
+    recheck: bool,
 }
 
 /// Arguments of `durability torture-child`, the process the supervisor
@@ -201,7 +205,7 @@ fn workload_names() -> PossibleValuesParser {
 /// Runs `durability torture` and returns its verdict.
 pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
     let started = Instant::now();
-    let seed = args.seed.unwrap_or_else(rand::random);
+    let mut seed = args.seed.unwrap_or_else(rand::random);
     let selected: Vec<&Entry> = if args.workload == ALL {
         WORKLOADS.iter().collect()
     } else {
@@ -234,9 +238,18 @@ pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
 
     let mut reports = Vec::with_capacity(selected.len());
     for entry in selected {
-        let files = prepare(root.join(entry.name))?;
         let began = Instant::now();
-        let supervised = supervisor::supervise(entry.name, &files, seed, args.kills)?;
+        let (files, supervised) = if args.recheck {
+            let files = Files::new(root.join(entry.name));
+            let supervised = supervisor::Supervised::load(&files)?;
+            seed = supervised.seed;
+            (files, supervised)
+        } else {
+            let files = prepare(root.join(entry.name))?;
+            let supervised = supervisor::supervise(entry.name, &files, seed, args.kills)?;
+            supervised.save(&files)?;
+            (files, supervised)
+        };
         let manifest = supervisor::read_manifest(&files)?;
         let finished = Finished { files, manifest };
         let mut tally = (entry.check)(&finished)?;

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
+use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::child::{EXIT_UNSETTLED, SETTLE_TIMEOUT};
@@ -35,9 +36,12 @@ const POLL: Duration = Duration::from_millis(10);
 /// Lines of the children's stderr quoted when a life failed.
 const STDERR_TAIL_LINES: usize = 4;
 
-/// What happened to the lives of one workload, beyond what the journals say.
-#[derive(Debug, Default)]
+/// What happened to the lives of one workload, beyond what the journals
+/// say. Saved in the run directory so `--recheck` can report it again.
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Supervised {
+    /// The run's seed.
+    pub seed: u64,
     /// Lives killed with SIGKILL.
     pub kills: u32,
     /// Lives that ended in a way they must not: an ordinary life that exited
@@ -45,7 +49,7 @@ pub struct Supervised {
     failures: Vec<String>,
     /// The final life's work did not settle within its timeout.
     unsettled: bool,
-    final_life: Duration,
+    final_life_ms: u64,
 }
 
 impl Supervised {
@@ -63,10 +67,32 @@ impl Supervised {
                 ),
             );
         }
-        tally.detail(
-            "final_life_ms",
-            u64::try_from(self.final_life.as_millis()).unwrap_or(u64::MAX),
-        );
+        tally.detail("final_life_ms", self.final_life_ms);
+    }
+
+    /// Saves the record in the run directory.
+    pub fn save(&self, files: &Files) -> Result<(), TortureError> {
+        let text = serde_json::to_vec_pretty(self).map_err(|source| TortureError::Encode {
+            what: "the supervisor's record",
+            source,
+        })?;
+        let path = files.supervised();
+        fs::write(&path, text).map_err(|source| TortureError::Io {
+            what: "cannot write the supervisor's record",
+            path,
+            source,
+        })
+    }
+
+    /// Loads the record a finished run saved.
+    pub fn load(files: &Files) -> Result<Supervised, TortureError> {
+        let path = files.supervised();
+        let bytes = fs::read(&path).map_err(|source| TortureError::Io {
+            what: "cannot read the supervisor's record (is this a finished run?)",
+            path: path.clone(),
+            source,
+        })?;
+        serde_json::from_slice(&bytes).map_err(|source| TortureError::Decode { path, source })
     }
 }
 
@@ -80,7 +106,10 @@ pub fn supervise(
 ) -> Result<Supervised, TortureError> {
     let items = ITEMS_PER_LIFE.saturating_mul(u64::from(kills) + 1);
     let mut moments = StdRng::seed_from_u64(roll(seed, "kill moments", workload, 0));
-    let mut supervised = Supervised::default();
+    let mut supervised = Supervised {
+        seed,
+        ..Supervised::default()
+    };
     for life in 0..kills {
         let mut child = spawn(workload, files, seed, life, items, false)?;
         let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
@@ -115,7 +144,7 @@ pub fn supervise(
             }
         }
     };
-    supervised.final_life = started.elapsed();
+    supervised.final_life_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     match status {
         Some(status) if status.success() => {}
         Some(status) if status.code() == Some(i32::from(EXIT_UNSETTLED)) => {

@@ -122,6 +122,11 @@ impl Files {
         self.dir.join("children.log")
     }
 
+    /// How the supervisor's lives ended.
+    pub fn supervised(&self) -> PathBuf {
+        self.dir.join("supervised.json")
+    }
+
     /// Marks the directory as the harness's, so a rerun may clear it.
     pub fn marker(&self) -> PathBuf {
         self.dir.join("torture-run")
