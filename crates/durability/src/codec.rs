@@ -12,7 +12,8 @@
 //! (`serde_json/preserve_order`), so decoding and encoding again gives the
 //! same text. Numbers are written the way `serde_json` writes them (a float
 //! `1.0` stays `1.0`, where JavaScript would write `1`); both libraries read
-//! either form.
+//! either form. Integers beyond 2^53 - 1 are stored exactly, but the
+//! JavaScript library would read them rounded.
 //!
 //! This module touches no storage.
 //!

@@ -240,6 +240,14 @@ impl HandlerError {
         }
     }
 
+    /// A retryable `Error` from any error value, with its `source()` chain
+    /// as the cause chain. For boxed errors, which `?` cannot convert
+    /// (`Box<dyn Error>` does not implement `Error` itself):
+    /// `.map_err(|e| HandlerError::from_error(&*e))`.
+    pub fn from_error(error: &dyn std::error::Error) -> Self {
+        from_source(error)
+    }
+
     /// Attaches the error that caused this one (kept in memory and in logs,
     /// never persisted).
     pub fn with_cause(mut self, cause: impl Into<HandlerError>) -> Self {
@@ -524,6 +532,19 @@ mod tests {
             error.cause().map(HandlerError::message),
             Some("an error occurred when formatting an argument")
         );
+    }
+
+    #[test]
+    fn boxed_errors_convert_too() {
+        fn boxed() -> Result<(), Box<dyn std::error::Error>> {
+            Err("plain".into())
+        }
+        fn handler() -> Result<(), HandlerError> {
+            boxed().map_err(|e| HandlerError::from_error(&*e))
+        }
+        assert_eq!(handler().unwrap_err().message(), "plain");
+        let sync: Box<dyn std::error::Error + Send + Sync> = "sync".into();
+        assert_eq!(HandlerError::from_error(&*sync).message(), "sync");
     }
 
     #[test]
