@@ -1172,8 +1172,7 @@ async fn invalid_options_are_typed_config_errors() {
             ),
             ConfigError::AboveTimerLimit { .. }
         ));
-        // No table was created by the failed constructions beyond the
-        // successful one's schema; nothing is pending.
+        // The failed constructions left no pending work behind.
         assert_eq!(physical_alarm(&*h.context()).await, None);
     })
     .await;
