@@ -19,6 +19,7 @@ pub mod migrations;
 pub mod operations;
 pub mod record;
 pub mod retry;
+pub mod routing;
 pub mod scheduler;
 
 pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};

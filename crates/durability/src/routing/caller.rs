@@ -1,0 +1,105 @@
+//! How the client reaches an object: [`ShardCaller`], which the application
+//! implements over its platform's stubs, and [`ReportsLoad`], how the
+//! client finds the load snapshot in a reply.
+//!
+//! The client does not know the host (capabilities and hosts never import
+//! each other): an application, an example or a test writes the few lines
+//! that turn a shard key into a stub call.
+
+use std::future::Future;
+
+use super::{CallContext, RoutingTarget};
+use crate::fanout::EnqueueResult;
+use crate::load::LoadSnapshot;
+use crate::log::Appended;
+
+/// Calls the application's method on the object named by a shard key.
+///
+/// The client calls it exactly once per push and never retries it. On the
+/// embedded host an implementation is a stub call:
+///
+/// ```ignore
+/// impl ShardCaller for Mailboxes {
+///     type Input = Vec<FanoutInput<Email>>;
+///     type Output = EnqueueResult<Vec<String>>;
+///     type Error = MailboxError;
+///
+///     fn call(&self, target: &RoutingTarget, batch: Self::Input, _: &CallContext)
+///         -> impl Future<Output = Result<Self::Output, Self::Error>> + Send
+///     {
+///         let stub = self.namespace.stub(&target.shard);
+///         async move {
+///             let stub = stub?;
+///             stub.call(move |mailbox: Rc<Mailbox>| async move { mailbox.push(batch).await })
+///                 .await?
+///         }
+///     }
+/// }
+/// ```
+///
+/// The future must be `Send`, so the client can be shared by the tasks of a
+/// multi-threaded runtime (the host's `Stub::call` future is). A platform
+/// whose futures are not `Send` (a Worker on `wasm32`, which runs on one
+/// thread) wraps them, e.g. with `worker::send::SendFuture`.
+pub trait ShardCaller: Send + Sync + 'static {
+    /// What a push carries to the object.
+    type Input: Send + 'static;
+    /// The object's reply, returned to the pusher unchanged.
+    type Output: ReportsLoad + Send + 'static;
+    /// Why a call failed: the call may or may not have run on the object.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Calls the object `target.shard` (created where `target.location_hint`
+    /// says, if the platform honours hints) with `input`. `context` is
+    /// caller-local metadata; pass it on only if the object wants it.
+    fn call(
+        &self,
+        target: &RoutingTarget,
+        input: Self::Input,
+        context: &CallContext,
+    ) -> impl Future<Output = Result<Self::Output, Self::Error>> + Send;
+}
+
+/// A reply that carries the object's load: what the client learns from.
+/// A reply without one (`None`) teaches the client nothing and is still
+/// returned.
+pub trait ReportsLoad {
+    /// The snapshot the object took when it answered.
+    fn load_snapshot(&self) -> Option<LoadSnapshot>;
+}
+
+impl ReportsLoad for LoadSnapshot {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        Some(*self)
+    }
+}
+
+impl<T> ReportsLoad for EnqueueResult<T> {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        Some(*self.load())
+    }
+}
+
+impl ReportsLoad for Appended {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        Some(*self.load())
+    }
+}
+
+impl<T> ReportsLoad for (T, LoadSnapshot) {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        Some(self.1)
+    }
+}
+
+impl<T> ReportsLoad for (T, Option<LoadSnapshot>) {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        self.1
+    }
+}
+
+impl<T: ReportsLoad> ReportsLoad for Option<T> {
+    fn load_snapshot(&self) -> Option<LoadSnapshot> {
+        self.as_ref().and_then(ReportsLoad::load_snapshot)
+    }
+}
