@@ -19,6 +19,7 @@ mod alarms;
 mod attempts;
 mod child;
 mod journal;
+mod log;
 mod operations;
 mod supervisor;
 mod verdict;
@@ -190,6 +191,7 @@ const fn entry<W: Workload>() -> Entry {
 const WORKLOADS: &[Entry] = &[
     entry::<operations::OperationsWorkload>(),
     entry::<alarms::AlarmsWorkload>(),
+    entry::<log::LogWorkload>(),
 ];
 
 fn workload_names() -> PossibleValuesParser {

@@ -1,0 +1,717 @@
+//! The `log` workload: a retained log per partition object, appended in
+//! keyed batches by a producer and read by two consumers that commit their
+//! cursors after each page, all killed at random moments.
+//!
+//! A record is accepted once its `append` returned `Accepted` and the
+//! producer journaled its offset; after a kill the producer appends the
+//! unjournaled items again under the same keys, which must return their
+//! original offsets. A consumer journals each page it handled before it
+//! commits, and each commit after it returned. The checker verifies from
+//! both journals and the final `durability_log_*` rows:
+//! - every accepted record is readable at its journaled offset with its key
+//!   and body, and was handled by every consumer (else it is lost);
+//! - a key keeps one offset, and offsets are dense from 0 to the end;
+//! - a page starts at the consumer's cursor and never skips an offset;
+//! - cursors never go back: no page starts below a journaled commit, and no
+//!   stored cursor is behind one (a regression counts as a stale
+//!   settlement).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::rc::Rc;
+use std::time::Duration;
+
+use durability::Scheduler;
+use durability::log::{AppendRecord, Appended, Log, Read};
+use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext};
+use rand::Rng as _;
+use serde::{Deserialize, Serialize};
+
+use super::TortureError;
+use super::journal::{self, Journal};
+use super::verdict::{Tally, Violation};
+use super::workload::{Finished, HandlerEnv, Life, Objects, Workload};
+
+/// Consecutive items that go to one partition, so a batch has several.
+const ITEMS_PER_BLOCK: u64 = 5;
+
+/// The most records one append carries.
+const MAX_BATCH: u64 = 5;
+
+/// The longest a consumer takes to handle a page, in milliseconds.
+const HANDLE_MAX_MS: u64 = 10;
+
+/// The consumers of every partition and their page sizes: different, so
+/// their cursors move at different paces.
+const CONSUMERS: [(&str, u32); 2] = [("reader-a", 7), ("reader-b", 3)];
+
+pub struct LogWorkload;
+
+/// One partition: its log.
+pub struct Partition {
+    scheduler: Scheduler,
+    log: Log<Body>,
+}
+
+impl DurableObject for Partition {
+    // The log has no due work of its own; delegating keeps the object right
+    // if a capability with due work joins it.
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        Ok(self.scheduler.alarm(Some(info)).await?)
+    }
+}
+
+/// A record's body: the item it carries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Body {
+    item: u64,
+}
+
+/// The producer's journal: an accepted append (one line per batch, the
+/// batch being atomic) or a rejected one.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "fact", rename_all = "snake_case")]
+enum Produced {
+    Appended {
+        object: String,
+        records: Vec<AcceptedRecord>,
+        /// The log's end just before the append: a record returned below it
+        /// was deduplicated by its key.
+        end_before: u64,
+    },
+    Rejected {
+        object: String,
+        items: Vec<u64>,
+        error: String,
+    },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct AcceptedRecord {
+    item: u64,
+    key: String,
+    offset: u64,
+}
+
+/// The consumers' journal.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "fact", rename_all = "snake_case")]
+enum Handled {
+    /// A page read from the consumer's cursor `from`, handled, not yet
+    /// committed.
+    Page {
+        object: String,
+        consumer: String,
+        from: u64,
+        /// (offset, key) of each record, in page order.
+        records: Vec<(u64, String)>,
+        next: u64,
+        life: u32,
+    },
+    /// The commit of `offset` returned.
+    Committed {
+        object: String,
+        consumer: String,
+        offset: u64,
+        life: u32,
+    },
+}
+
+fn key_of(item: u64) -> String {
+    format!("rec-{item}")
+}
+
+/// The partition (object number, modulo the count) item `item` goes to.
+fn block_of(item: u64) -> u64 {
+    item / ITEMS_PER_BLOCK
+}
+
+impl Workload for LogWorkload {
+    const NAME: &'static str = "log";
+    const ABOUT: &'static str =
+        "retained log: keyed batch appends, two consumers with cursors, dense offsets";
+    type Object = Partition;
+
+    fn construct(ctx: ObjectContext, _env: &HandlerEnv) -> Result<Partition, BoxError> {
+        let scheduler = Scheduler::new(ctx.into_dyn())?;
+        let log = Log::<Body>::builder(&scheduler).build()?;
+        Ok(Partition { scheduler, log })
+    }
+
+    async fn produce(
+        objects: &Objects<Partition>,
+        produced: &Journal,
+        life: &Life,
+    ) -> Result<(), TortureError> {
+        let journaled = journal::read::<Produced>(&life.files.produced())?;
+        let mut accepted = HashSet::new();
+        for fact in &journaled.lines {
+            if let Produced::Appended { records, .. } = fact {
+                accepted.extend(records.iter().map(|r| r.item));
+            }
+        }
+        let missing: Vec<u64> = (0..life.quota())
+            .filter(|item| !accepted.contains(item))
+            .collect();
+        let mut rng = life.rng("produce log");
+        let mut rest = missing.as_slice();
+        while let Some(&first) = rest.first() {
+            let size = usize::try_from(rng.random_range(1..=MAX_BATCH)).unwrap_or(1);
+            let batch: Vec<u64> = rest
+                .iter()
+                .take(size)
+                .take_while(|&&item| block_of(item) == block_of(first))
+                .copied()
+                .collect();
+            rest = rest.get(batch.len().max(1)..).unwrap_or_default();
+            let stub = objects.get(block_of(first))?;
+            let records: Vec<AppendRecord<Body>> = batch
+                .iter()
+                .map(|&item| AppendRecord::keyed(key_of(item), Body { item }))
+                .collect();
+            let (end_before, appended) = stub
+                .call(move |partition: Rc<Partition>| async move {
+                    // Nothing else of the object runs between the two: the
+                    // bounds read does not yield to another append.
+                    let end_before = partition.log.bounds().await?.next_offset;
+                    let appended = partition.log.append(records).await?;
+                    Ok::<_, durability::LogError>((end_before, appended))
+                })
+                .await??;
+            let object = stub.id().to_string();
+            let fact = match appended {
+                Appended::Accepted { offsets, .. } => Produced::Appended {
+                    object,
+                    end_before,
+                    records: batch
+                        .iter()
+                        .zip(offsets)
+                        .map(|(&item, offset)| AcceptedRecord {
+                            item,
+                            key: key_of(item),
+                            offset,
+                        })
+                        .collect(),
+                },
+                Appended::Rejected { error, .. } => Produced::Rejected {
+                    object,
+                    items: batch,
+                    error: error.to_string(),
+                },
+            };
+            produced.append(&fact)?;
+            Life::pace(&mut rng).await;
+        }
+        Ok(())
+    }
+
+    async fn consume(
+        objects: &Objects<Partition>,
+        handled: &Journal,
+        life: &Life,
+    ) -> Result<bool, TortureError> {
+        let mut worked = false;
+        let mut rng = life.rng("consume log");
+        for stub in objects.all() {
+            for (consumer, limit) in CONSUMERS {
+                let (from, records, next) = stub
+                    .call(move |partition: Rc<Partition>| async move {
+                        let from = partition.log.cursor(consumer).await?.unwrap_or(0);
+                        let page = partition
+                            .log
+                            .read(Read::from_offset(from).limit(limit))
+                            .await?;
+                        let records: Vec<(u64, String)> = page
+                            .records
+                            .into_iter()
+                            .map(|r| (r.offset, r.key))
+                            .collect();
+                        Ok::<_, durability::LogError>((from, records, page.next_offset))
+                    })
+                    .await??;
+                if records.is_empty() {
+                    continue;
+                }
+                let object = stub.id().to_string();
+                handled.append(&Handled::Page {
+                    object: object.clone(),
+                    consumer: consumer.to_owned(),
+                    from,
+                    records,
+                    next,
+                    life: life.index,
+                })?;
+                // Handling takes a moment, and a kill in it makes the next
+                // life read the page again from the committed cursor.
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..=HANDLE_MAX_MS)))
+                    .await;
+                stub.call(move |partition: Rc<Partition>| async move {
+                    partition.log.commit(consumer, next).await
+                })
+                .await??;
+                handled.append(&Handled::Committed {
+                    object,
+                    consumer: consumer.to_owned(),
+                    offset: next,
+                    life: life.index,
+                })?;
+                worked = true;
+            }
+        }
+        Ok(worked)
+    }
+
+    async fn unsettled(objects: &Objects<Partition>) -> Result<u64, TortureError> {
+        let mut behind = 0;
+        for stub in objects.all() {
+            behind += stub
+                .call(|partition: Rc<Partition>| async move {
+                    let end = partition.log.bounds().await?.next_offset;
+                    let cursors = partition.log.cursors().await?;
+                    Ok::<_, durability::LogError>(
+                        CONSUMERS
+                            .iter()
+                            .map(|(c, _)| end.saturating_sub(cursors.get(*c).copied().unwrap_or(0)))
+                            .sum::<u64>(),
+                    )
+                })
+                .await??;
+        }
+        Ok(behind)
+    }
+
+    fn check(run: &Finished) -> Result<Tally, TortureError> {
+        let produced = journal::read::<Produced>(&run.files.produced())?;
+        let handled = journal::read::<Handled>(&run.files.handled())?;
+        let mut stored = BTreeMap::new();
+        for entry in run.manifest.objects.values() {
+            let records = run.rows(
+                entry,
+                "durability_log_records",
+                "SELECT \"offset\", dedup_key, payload FROM durability_log_records ORDER BY \"offset\"",
+                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?, row.get::<_, String>(2)?)),
+            )?;
+            let next = run.rows(
+                entry,
+                "durability_log_seq",
+                "SELECT next_offset FROM durability_log_seq",
+                |row| row.get::<_, i64>(0),
+            )?;
+            let cursors = run.rows(
+                entry,
+                "durability_log_cursors",
+                "SELECT consumer, \"offset\" FROM durability_log_cursors",
+                |row| Ok((row.get::<_, String>(0)?, row.get::<_, i64>(1)?)),
+            )?;
+            let segments = run.rows(
+                entry,
+                "durability_log_segments",
+                "SELECT count(*) FROM durability_log_segments",
+                |row| row.get::<_, i64>(0),
+            )?;
+            stored.insert(
+                entry.id.clone(),
+                StoredLog {
+                    records: records
+                        .into_iter()
+                        .map(|(offset, key, payload)| StoredRecord {
+                            offset: u64::try_from(offset).unwrap_or(u64::MAX),
+                            key,
+                            item: durability::codec::decode_as::<Body>(&payload)
+                                .ok()
+                                .map(|b| b.item),
+                        })
+                        .collect(),
+                    next_offset: next.first().map(|&n| u64::try_from(n).unwrap_or(u64::MAX)),
+                    cursors: cursors
+                        .into_iter()
+                        .map(|(c, o)| (c, u64::try_from(o).unwrap_or(u64::MAX)))
+                        .collect(),
+                    cold_segments: segments.first().copied().unwrap_or(0),
+                },
+            );
+        }
+        let mut tally = Tally::default();
+        tally.detail("torn_journal_lines", produced.torn + handled.torn);
+        Ok(check_facts(&produced.lines, &handled.lines, &stored, tally))
+    }
+}
+
+/// One partition's log as the checker reads it.
+#[derive(Debug, Default)]
+struct StoredLog {
+    records: Vec<StoredRecord>,
+    next_offset: Option<u64>,
+    cursors: HashMap<String, u64>,
+    cold_segments: i64,
+}
+
+#[derive(Debug)]
+struct StoredRecord {
+    offset: u64,
+    key: String,
+    /// `None` when the body does not decode.
+    item: Option<u64>,
+}
+
+fn check_facts(
+    produced: &[Produced],
+    handled: &[Handled],
+    stored: &BTreeMap<String, StoredLog>,
+    mut tally: Tally,
+) -> Tally {
+    // Accepted records by (object, key); a key must keep its offset.
+    let mut accepted: BTreeMap<(String, String), (u64, u64)> = BTreeMap::new();
+    // Records an append returned at an offset below the log's end before
+    // it: appended again after a kill cut off their journal line, and
+    // deduplicated by key.
+    let mut deduplicated = 0_u64;
+    for fact in produced {
+        match fact {
+            Produced::Appended {
+                object,
+                records,
+                end_before,
+            } => {
+                deduplicated += records.iter().filter(|r| r.offset < *end_before).count() as u64;
+                for record in records {
+                    let slot = (object.clone(), record.key.clone());
+                    match accepted.get(&slot) {
+                        Some(&(_, offset)) if offset != record.offset => tally.flag(
+                            Violation::Broken("key_offset_changes"),
+                            format!(
+                                "{} was accepted at offset {offset} and again at {}",
+                                record.key, record.offset
+                            ),
+                        ),
+                        Some(_) => {}
+                        None => {
+                            accepted.insert(slot, (record.item, record.offset));
+                        }
+                    }
+                }
+            }
+            Produced::Rejected { items, error, .. } => tally.flag(
+                Violation::Broken("rejected_appends"),
+                format!("the append of items {items:?} was rejected: {error}"),
+            ),
+        }
+    }
+    tally.accepted = u64::try_from(accepted.len()).unwrap_or(u64::MAX);
+    tally.detail("deduplicated_reappends", deduplicated);
+
+    // Pages and commits per (object, consumer), in journal order.
+    let mut delivered: HashMap<(String, String), BTreeSet<u64>> = HashMap::new();
+    let mut committed: HashMap<(String, String), u64> = HashMap::new();
+    let mut pages = 0_u64;
+    let mut redelivered = 0_u64;
+    for fact in handled {
+        match fact {
+            Handled::Page {
+                object,
+                consumer,
+                from,
+                records,
+                next,
+                life,
+            } => {
+                pages += 1;
+                let slot = (object.clone(), consumer.clone());
+                let last = committed.get(&slot).copied().unwrap_or(0);
+                if *from < last {
+                    tally.flag(
+                        Violation::StaleSettlement,
+                        format!(
+                            "{consumer} read from {from} in life {life} after committing {last}: its cursor went back"
+                        ),
+                    );
+                }
+                let offsets: Vec<u64> = records.iter().map(|(offset, _)| *offset).collect();
+                let expected: Vec<u64> = (*from..*from + offsets.len() as u64).collect();
+                if offsets != expected || *next != *from + offsets.len() as u64 {
+                    tally.flag(
+                        Violation::Broken("skipping_reads"),
+                        format!("{consumer} read {offsets:?} from {from} with next {next}"),
+                    );
+                }
+                let seen = delivered.entry(slot).or_default();
+                for offset in offsets {
+                    if !seen.insert(offset) {
+                        redelivered += 1;
+                    }
+                }
+                for (offset, key) in records {
+                    let journaled = accepted
+                        .get(&(object.clone(), key.clone()))
+                        .map(|&(_, offset)| offset);
+                    if journaled.is_some_and(|journaled| journaled != *offset) {
+                        tally.flag(
+                            Violation::Broken("key_offset_changes"),
+                            format!("{consumer} read {key} at {offset}, accepted at {journaled:?}"),
+                        );
+                    }
+                }
+            }
+            Handled::Committed {
+                object,
+                consumer,
+                offset,
+                life,
+            } => {
+                let last = committed
+                    .entry((object.clone(), consumer.clone()))
+                    .or_insert(0);
+                if *offset < *last {
+                    tally.flag(
+                        Violation::StaleSettlement,
+                        format!("{consumer} committed {offset} in life {life} after {last}"),
+                    );
+                }
+                *last = (*last).max(*offset);
+            }
+        }
+    }
+    tally.detail("pages", pages);
+    tally.detail("redelivered_records", redelivered);
+
+    // The final logs: dense, holding every accepted record, cursors at the
+    // end and never behind a journaled commit.
+    let mut records_stored = 0_u64;
+    for (object, log) in stored {
+        records_stored += log.records.len() as u64;
+        for (index, record) in log.records.iter().enumerate() {
+            if record.offset != index as u64 {
+                tally.flag(
+                    Violation::Broken("offset_gaps"),
+                    format!(
+                        "{}: offset {} is stored where {index} belongs",
+                        short(object),
+                        record.offset
+                    ),
+                );
+                break;
+            }
+        }
+        let end = log.records.len() as u64;
+        if log.next_offset != Some(end) && !(log.next_offset.is_none() && end == 0) {
+            tally.flag(
+                Violation::Broken("offset_gaps"),
+                format!(
+                    "{}: the log ends at {:?} but holds {end} records",
+                    short(object),
+                    log.next_offset
+                ),
+            );
+        }
+        if log.cold_segments != 0 {
+            tally.flag(
+                Violation::Broken("unexpected_cold_segments"),
+                format!(
+                    "{}: {} cold segments without retention",
+                    short(object),
+                    log.cold_segments
+                ),
+            );
+        }
+        for (consumer, _) in CONSUMERS {
+            let cursor = log.cursors.get(consumer).copied().unwrap_or(0);
+            let last = committed
+                .get(&(object.clone(), consumer.to_owned()))
+                .copied()
+                .unwrap_or(0);
+            if cursor < last {
+                tally.flag(
+                    Violation::StaleSettlement,
+                    format!("{consumer} on {}: stored cursor {cursor} is behind its journaled commit {last}", short(object)),
+                );
+            }
+        }
+        for record in &log.records {
+            if !accepted.contains_key(&(object.clone(), record.key.clone())) {
+                tally.flag(
+                    Violation::Broken("unaccounted_records"),
+                    format!(
+                        "{}: {} at {} was never journaled as accepted",
+                        short(object),
+                        record.key,
+                        record.offset
+                    ),
+                );
+            }
+        }
+    }
+    tally.detail("records_stored", records_stored);
+
+    let mut completed = 0_u64;
+    for ((object, key), &(item, offset)) in &accepted {
+        let record = stored.get(object).and_then(|log| {
+            log.records
+                .get(usize::try_from(offset).unwrap_or(usize::MAX))
+        });
+        let readable =
+            record.is_some_and(|r| r.offset == offset && &r.key == key && r.item == Some(item));
+        if !readable {
+            tally.flag(
+                Violation::Lost,
+                format!("{key} (item {item}) is not readable at its offset {offset}: {record:?}"),
+            );
+            continue;
+        }
+        let missed: Vec<&str> = CONSUMERS
+            .iter()
+            .filter(|(consumer, _)| {
+                !delivered
+                    .get(&(object.clone(), (*consumer).to_owned()))
+                    .is_some_and(|seen| seen.contains(&offset))
+            })
+            .map(|(consumer, _)| *consumer)
+            .collect();
+        if missed.is_empty() {
+            completed += 1;
+        } else {
+            tally.flag(
+                Violation::Lost,
+                format!("{key} at {offset} was never handled by {missed:?}"),
+            );
+        }
+    }
+    tally.completed = completed;
+    tally
+}
+
+/// The first digits of an object id, enough to tell objects apart.
+fn short(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn appended(records: &[(u64, u64)]) -> Produced {
+        Produced::Appended {
+            object: "o".into(),
+            end_before: 0,
+            records: records
+                .iter()
+                .map(|&(item, offset)| AcceptedRecord {
+                    item,
+                    key: key_of(item),
+                    offset,
+                })
+                .collect(),
+        }
+    }
+
+    fn page(consumer: &str, from: u64, items: &[u64]) -> Handled {
+        Handled::Page {
+            object: "o".into(),
+            consumer: consumer.into(),
+            from,
+            records: items
+                .iter()
+                .enumerate()
+                .map(|(i, &item)| (from + i as u64, key_of(item)))
+                .collect(),
+            next: from + items.len() as u64,
+            life: 0,
+        }
+    }
+
+    fn commit(consumer: &str, offset: u64) -> Handled {
+        Handled::Committed {
+            object: "o".into(),
+            consumer: consumer.into(),
+            offset,
+            life: 0,
+        }
+    }
+
+    fn log_of(items: &[u64], cursor: u64) -> BTreeMap<String, StoredLog> {
+        let log = StoredLog {
+            records: items
+                .iter()
+                .enumerate()
+                .map(|(offset, &item)| StoredRecord {
+                    offset: offset as u64,
+                    key: key_of(item),
+                    item: Some(item),
+                })
+                .collect(),
+            next_offset: Some(items.len() as u64),
+            cursors: CONSUMERS
+                .iter()
+                .map(|(c, _)| ((*c).to_owned(), cursor))
+                .collect(),
+            cold_segments: 0,
+        };
+        BTreeMap::from([("o".to_owned(), log)])
+    }
+
+    fn both_read(from: u64, items: &[u64]) -> Vec<Handled> {
+        let next = from + items.len() as u64;
+        CONSUMERS
+            .iter()
+            .flat_map(|(c, _)| [page(c, from, items), commit(c, next)])
+            .collect()
+    }
+
+    #[test]
+    fn a_log_read_to_the_end_by_both_consumers_passes() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let tally = check_facts(
+            &produced,
+            &both_read(0, &[0, 1]),
+            &log_of(&[0, 1], 2),
+            Tally::default(),
+        );
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!((tally.accepted, tally.completed), (2, 2));
+    }
+
+    #[test]
+    fn a_record_a_consumer_never_handled_is_lost() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let handled = vec![page("reader-a", 0, &[0, 1]), page("reader-b", 0, &[0])];
+        let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
+        assert_eq!(tally.lost, 1);
+    }
+
+    #[test]
+    fn a_read_below_a_journaled_commit_is_a_cursor_regression() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let mut handled = both_read(0, &[0, 1]);
+        handled.push(page("reader-a", 1, &[1]));
+        let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
+        assert_eq!(tally.stale_settlements, 1);
+    }
+
+    #[test]
+    fn a_hole_in_the_offsets_is_an_offset_gap() {
+        let produced = [appended(&[(0, 0), (1, 2)])];
+        let mut stored = log_of(&[0, 1], 2);
+        if let Some(log) = stored.get_mut("o")
+            && let Some(record) = log.records.get_mut(1)
+        {
+            record.offset = 2;
+        }
+        let tally = check_facts(&produced, &both_read(0, &[0]), &stored, Tally::default());
+        assert!(
+            tally.broken.contains_key("offset_gaps"),
+            "{:?}",
+            tally.examples()
+        );
+        assert!(tally.lost >= 1);
+    }
+
+    #[test]
+    fn a_key_accepted_at_two_offsets_is_flagged() {
+        let produced = [appended(&[(0, 0)]), appended(&[(0, 1)])];
+        let tally = check_facts(
+            &produced,
+            &both_read(0, &[0]),
+            &log_of(&[0], 1),
+            Tally::default(),
+        );
+        assert_eq!(tally.broken.get("key_offset_changes"), Some(&1));
+    }
+}
