@@ -242,7 +242,8 @@ impl Alarms {
     }
 
     /// Schedules the alarm `name` for `scheduled_time` (epoch ms; a past
-    /// time is due at once), replacing its pending occurrence if any.
+    /// time is due at once), replacing its pending occurrence if any. A name
+    /// without a handler here is rejected and writes nothing.
     /// Returns once the row and the physical alarm have committed together.
     pub async fn schedule(
         &self,
@@ -251,6 +252,12 @@ impl Alarms {
     ) -> Result<(), DurabilityError> {
         DurabilityError::require_timestamp("scheduled_time", scheduled_time)?;
         let inner = &self.inner;
+        if !inner.handlers.contains_key(name) {
+            return Err(DurabilityError::UnknownHandler {
+                kind: "named alarm",
+                name: name.to_owned(),
+            });
+        }
         let engine = &inner.engine;
         let generation = engine.new_generation();
         let created_at = engine.now();

@@ -421,6 +421,11 @@ pub enum DurabilityError {
     /// Nothing is lost: the persisted work runs again from the alarm.
     #[error("the scheduler's background work was interrupted (eviction or shutdown)")]
     Interrupted,
+    /// A registration or schedule for a name no handler was registered for
+    /// in this helper: nothing is stored (a stored row whose handler was
+    /// removed by a later deployment fails on its first claim instead).
+    #[error("no handler is registered for {kind} \"{name}\"")]
+    UnknownHandler { kind: &'static str, name: String },
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },

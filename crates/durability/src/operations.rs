@@ -341,7 +341,8 @@ impl Operations {
 
     /// Registers operation `operation` under the idempotency `id`. Returns
     /// once the row and the alarm have committed; never waits for the
-    /// handler. An id already registered for this operation writes nothing.
+    /// handler. An id already registered for this operation writes nothing;
+    /// an operation without a handler here is rejected and writes nothing.
     pub async fn start<P: Serialize + ?Sized>(
         &self,
         operation: &str,
@@ -349,6 +350,12 @@ impl Operations {
         payload: &P,
     ) -> Result<Registration, DurabilityError> {
         let inner = &self.inner;
+        if !inner.handlers.contains_key(operation) {
+            return Err(DurabilityError::UnknownHandler {
+                kind: "operation",
+                name: operation.to_owned(),
+            });
+        }
         let payload = codec::encode(payload)?;
         let engine = &inner.engine;
         let now = engine.now();

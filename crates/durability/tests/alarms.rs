@@ -486,6 +486,11 @@ async fn after_a_scheduling_call_commits_the_physical_alarm_covers_the_new_earli
         let scheduler = scheduler(&h);
         let alarms = Alarms::builder(&scheduler)
             .handler("x", |_: AlarmCall| async { Ok(()) })
+            .handler("late", |_: AlarmCall| async { Ok(()) })
+            .handler("earlier", |_: AlarmCall| async { Ok(()) })
+            .handler("later-still", |_: AlarmCall| async { Ok(()) })
+            .handler("soon", |_: AlarmCall| async { Ok(()) })
+            .handler("past", |_: AlarmCall| async { Ok(()) })
             .build()
             .unwrap();
         // An operation of the same scheduler waiting 30 min for its retry.
@@ -800,9 +805,25 @@ async fn a_stored_alarm_without_handler_fails_on_first_claim_and_crash_exhaustio
             .schedule("crashed", scheduler.now_ms())
             .await
             .unwrap();
-        alarms
-            .schedule("unknown", scheduler.now_ms())
-            .await
+        // Scheduling a name without a handler is refused and stores nothing...
+        let refused = alarms.schedule("unknown", scheduler.now_ms()).await;
+        assert!(matches!(
+            refused,
+            Err(durability::DurabilityError::UnknownHandler { .. })
+        ));
+        assert!(alarm_row(&*ctx, "unknown").is_none());
+        // ...but a row stored by a deployment that still had the handler is
+        // failed on its first claim.
+        ctx.storage()
+            .execute(
+                "INSERT INTO durability_alarms (name, generation_id, status, scheduled_at, \
+                 next_attempt_at, attempt, created_at) VALUES ('unknown', 'g1', 'pending', ?, ?, 0, ?)",
+                &durability_platform::params![
+                    scheduler.now_ms(),
+                    scheduler.now_ms(),
+                    scheduler.now_ms()
+                ],
+            )
             .unwrap();
         ctx.storage()
             .execute(
