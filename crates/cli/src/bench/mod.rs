@@ -9,6 +9,8 @@
 //! rather than a number that only means something on this machine.
 
 mod alarms;
+mod fanout;
+mod fanout_backlog;
 mod host_calls;
 mod latency;
 mod log;
@@ -117,6 +119,16 @@ const SCENARIOS: &[Scenario] = &[
         name: sqlite_floor::NAME,
         about: "raw rusqlite doing a capability's row writes with no logic: the floor",
         run: sqlite_floor::run,
+    },
+    Scenario {
+        name: fanout::NAME,
+        about: "fanout: 2 targets acking at once, ack on return on and off, against a raw-SQLite floor",
+        run: fanout::run,
+    },
+    Scenario {
+        name: fanout_backlog::NAME,
+        about: "fanout: deliveries/s with no backlog and with a large paused backlog",
+        run: fanout_backlog::run,
     },
     Scenario {
         name: host_calls::NAME,
