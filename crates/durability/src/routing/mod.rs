@@ -91,7 +91,8 @@
 //! Time and randomness come from the caller (a clock closure, a seed), so
 //! this module builds for `wasm32-unknown-unknown` like the rest of the
 //! crate. Decisions where the reference is silent or that depart from it:
-//! - Sharding is synchronous ([`Sharding`]): I/O belongs before the push.
+//! - Sharding is synchronous ([`RoutingClientBuilder::sharding`]): I/O
+//!   belongs before the push.
 //! - Custom sharding reads observations through a view ([`Observations`])
 //!   instead of receiving a copy of up to 1,024 snapshots per push.
 //! - A reply whose snapshot is already stale is not recorded (the next
@@ -120,7 +121,7 @@ pub use context::{CallContext, ContextNotObject};
 pub use error::{RoutingError, TimedOut};
 pub use layers::{ContextLayer, Push, Timeout, TimeoutFuture, TimeoutLayer, WithContext};
 pub use observations::{MAX_OBSERVED_SHARDS, OBSERVATION_TTL_MS, Observations};
-pub use sharding::{RoutingTarget, Sharding, ShardingError};
+pub use sharding::{RoutingTarget, ShardingError};
 pub use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 
 use std::collections::HashMap;
@@ -141,6 +142,13 @@ use observations::ObservationTable;
 /// A clock of epoch milliseconds, shared by the client's pushes.
 type Clock = Box<dyn Fn() -> EpochMs + Send + Sync>;
 
+/// A custom sharding function, type-erased.
+type ShardingFn<I> = Box<
+    dyn Fn(&I, &CallContext, &Observations<'_>) -> Result<RoutingTarget, ShardingError>
+        + Send
+        + Sync,
+>;
+
 /// Chooses a shard per push among the objects `caller` reaches, calls it
 /// once, and learns from the reply's load.
 ///
@@ -154,7 +162,7 @@ struct Inner<C: ShardCaller> {
     caller: C,
     clock: Clock,
     /// `None`: the default adaptive algorithm.
-    sharding: Option<Box<dyn Sharding<C::Input>>>,
+    sharding: Option<ShardingFn<C::Input>>,
     observations: Mutex<ObservationTable>,
     /// Used by the default algorithm only; with custom sharding its width
     /// stays 1 for ever.
@@ -165,7 +173,7 @@ struct Inner<C: ShardCaller> {
 pub struct RoutingClientBuilder<C: ShardCaller> {
     caller: C,
     clock: Clock,
-    sharding: Option<Box<dyn Sharding<C::Input>>>,
+    sharding: Option<ShardingFn<C::Input>>,
     soft_backlog_limit: u64,
     max_width: Option<u64>,
     seed: Option<u64>,
@@ -253,9 +261,7 @@ impl<C: ShardCaller> Inner<C> {
         observations::lock(&self.observations).expire(now);
         // No lock is held while the application's function runs.
         let view = Observations::new(&self.observations, now);
-        let target = sharding
-            .choose(input, context, &view)
-            .map_err(RoutingError::Sharding)?;
+        let target = sharding(input, context, &view).map_err(RoutingError::Sharding)?;
         if target.shard.is_empty() {
             return Err(RoutingError::EmptyShard);
         }
@@ -300,9 +306,35 @@ fn lock_adaptive(adaptive: &Mutex<Adaptive>) -> MutexGuard<'_, Adaptive> {
 
 impl<C: ShardCaller> RoutingClientBuilder<C> {
     /// Replaces the default adaptive algorithm with the application's
-    /// choice (stable keys for affinity, lanes, tenants). With it the
-    /// width never changes.
-    pub fn sharding(mut self, sharding: impl Sharding<C::Input>) -> Self {
+    /// choice from (input, context, recent observations): stable keys for
+    /// affinity, lanes, tenants. With it the width never changes.
+    ///
+    /// The function is synchronous on purpose: the choice is a pure
+    /// function of what it is given, so nothing sits between reading the
+    /// observations and calling the object. Look-ups that need I/O belong
+    /// before the push (put their answer in the context).
+    ///
+    /// ```
+    /// # use durability::routing::{CallContext, RoutingClientBuilder, RoutingTarget, ShardCaller, ShardingError};
+    /// # fn configure<C: ShardCaller<Input = Vec<String>>>(builder: RoutingClientBuilder<C>) -> RoutingClientBuilder<C> {
+    /// builder.sharding(|batch: &Vec<String>, context, _observations| {
+    ///     match context.get_str("lane") {
+    ///         Some(lane) => Ok(RoutingTarget::new(lane)),
+    ///         None => batch
+    ///             .first()
+    ///             .map(|first| RoutingTarget::new(format!("customer-{first}")))
+    ///             .ok_or_else(|| ShardingError::new("an empty batch has no customer")),
+    ///     }
+    /// })
+    /// # }
+    /// ```
+    pub fn sharding<F>(mut self, sharding: F) -> Self
+    where
+        F: Fn(&C::Input, &CallContext, &Observations<'_>) -> Result<RoutingTarget, ShardingError>
+            + Send
+            + Sync
+            + 'static,
+    {
         self.sharding = Some(Box::new(sharding));
         self
     }

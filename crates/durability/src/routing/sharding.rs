@@ -1,12 +1,9 @@
-//! Custom sharding: the application's function from (input, context,
-//! recent observations) to the one shard a push goes to.
+//! What custom sharding returns: the one shard a push goes to, or a
+//! refusal.
 
 use std::fmt;
 
 use thiserror::Error;
-
-use super::CallContext;
-use super::observations::Observations;
 
 /// Where one push goes: the shard key (the object's name) and an optional
 /// location hint, which only influences where the platform first creates
@@ -90,40 +87,5 @@ impl ShardingError {
             message: message.into(),
             source: Some(Box::new(source)),
         }
-    }
-}
-
-/// A custom sharding function: chooses the shard of one push from its
-/// input, its context and the client's recent observations.
-///
-/// It is synchronous on purpose: the choice is a pure function of what it
-/// is given, so no lock or await sits between reading the observations and
-/// calling the object. Look-ups that need I/O belong before the push (put
-/// their answer in the context). Any `Fn(&I, &CallContext, &Observations)
-/// -> Result<RoutingTarget, ShardingError>` that is `Send + Sync` is one.
-pub trait Sharding<I>: Send + Sync + 'static {
-    /// The shard for this push.
-    fn choose(
-        &self,
-        input: &I,
-        context: &CallContext,
-        observations: &Observations<'_>,
-    ) -> Result<RoutingTarget, ShardingError>;
-}
-
-impl<I, F> Sharding<I> for F
-where
-    F: Fn(&I, &CallContext, &Observations<'_>) -> Result<RoutingTarget, ShardingError>
-        + Send
-        + Sync
-        + 'static,
-{
-    fn choose(
-        &self,
-        input: &I,
-        context: &CallContext,
-        observations: &Observations<'_>,
-    ) -> Result<RoutingTarget, ShardingError> {
-        self(input, context, observations)
     }
 }
