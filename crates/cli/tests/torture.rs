@@ -73,7 +73,7 @@ fn a_short_torture_of_every_workload_holds_every_guarantee() {
     let workloads = verdict["workloads"]
         .as_object()
         .unwrap_or_else(|| panic!("no workloads: {verdict:#}"));
-    for name in ["operations", "alarms", "log"] {
+    for name in ["operations", "alarms", "log", "fanout"] {
         assert!(
             workloads.contains_key(name),
             "{name} did not run: {verdict:#}"

@@ -18,6 +18,7 @@
 mod alarms;
 mod attempts;
 mod child;
+mod fanout;
 mod journal;
 mod log;
 mod operations;
@@ -160,6 +161,8 @@ pub enum TortureError {
         #[from]
         source: durability::LogError,
     },
+    #[error("the fanout refused a call: {message}")]
+    Fanout { message: String },
     #[error("no object {index} in the workload")]
     NoObject { index: u64 },
     #[error("the child was not killed within {seconds} s; the supervisor must be gone")]
@@ -186,12 +189,12 @@ const fn entry<W: Workload>() -> Entry {
     }
 }
 
-/// Every workload, in the order `--workload all` runs them. The fanout
-/// workload joins here once the fanout capability is in the tree.
+/// Every workload, in the order `--workload all` runs them.
 const WORKLOADS: &[Entry] = &[
     entry::<operations::OperationsWorkload>(),
     entry::<alarms::AlarmsWorkload>(),
     entry::<log::LogWorkload>(),
+    entry::<fanout::FanoutWorkload>(),
 ];
 
 fn workload_names() -> PossibleValuesParser {
