@@ -12,6 +12,7 @@ use std::fs;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use durability::fanout::INFRASTRUCTURE_RETRY;
 use durability_host::Host;
 use tokio::time::Instant;
 
@@ -20,8 +21,12 @@ use super::journal::Journal;
 use super::workload::{Files, HandlerEnv, Life, Manifest, Objects, Workload};
 
 /// How long the final life waits for accepted work to settle once its
-/// production is done. Exceeding it is a violation, not an error.
-pub const SETTLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// production is done. Exceeding it is a violation, not an error. Above the
+/// longest wait the capabilities may legitimately impose after a kill: a
+/// fanout DLQ write cut off by a kill comes back after the library's
+/// infrastructure retry. Normally a final life settles in a few seconds and
+/// ends at once.
+pub const SETTLE_TIMEOUT: Duration = INFRASTRUCTURE_RETRY.saturating_add(Duration::from_secs(30));
 
 /// An ordinary life is killed within a few hundred milliseconds; one that
 /// is still alive after this has lost its supervisor and stops.
