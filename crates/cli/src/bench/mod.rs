@@ -16,6 +16,7 @@ mod latency;
 mod log;
 mod operations;
 mod report;
+mod routing;
 mod rss;
 mod sqlite_floor;
 
@@ -149,6 +150,11 @@ const SCENARIOS: &[Scenario] = &[
         name: alarms::NAME,
         about: "named alarms: fired/s and lateness, live timers off and on",
         run: alarms::run,
+    },
+    Scenario {
+        name: routing::NAME,
+        about: "routing client: pushes/s to 1, 16, 256 objects; backlog spread under a skewed producer",
+        run: routing::run,
     },
 ];
 
