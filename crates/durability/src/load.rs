@@ -266,6 +266,9 @@ impl Load {
     }
 }
 
+/// The reference library's name for [`Load`].
+pub type RoutingLoad = Load;
+
 impl fmt::Debug for Load {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = self.state.borrow();

@@ -131,7 +131,9 @@ impl Mailbox {
                         .map(|m| format!("D a {} {}", m.id, m.attempt))
                         .collect();
                     a.borrow_mut().append(&lines);
-                    let fail = batch.iter().any(|m| m.body.is_multiple_of(7) && m.attempt == 1);
+                    let fail = batch
+                        .iter()
+                        .any(|m| m.body.is_multiple_of(7) && m.attempt == 1);
                     async move {
                         if fail {
                             Err(HandlerError::new("every seventh fails once"))
