@@ -273,7 +273,7 @@ where
             .collect();
         for state in &states {
             let row = &state.claim.row;
-            self.emitter.emit(&LifecycleEvent::AttemptStarted {
+            self.emit(|| LifecycleEvent::AttemptStarted {
                 entity: entity(&state.claim.message_id, &row.target_id, &row.generation),
                 timestamp: started_at,
                 attempt: row.attempt,

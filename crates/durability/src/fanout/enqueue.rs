@@ -399,7 +399,7 @@ where
     /// background (its failure is logged, never returned to the caller).
     pub(crate) fn after_registration(self: &Rc<Self>, registered: &[Registered]) {
         for row in registered {
-            self.emitter.emit(&LifecycleEvent::Registered {
+            self.emit(|| LifecycleEvent::Registered {
                 entity: entity(&row.message_id, &row.target, &row.generation),
                 timestamp: row.created_at,
             });

@@ -117,7 +117,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
 use crate::error::{ConfigError, DurabilityError, HandlerError};
-use crate::lifecycle::{Emitter, Entity, HookRegistration, LifecycleHook};
+use crate::lifecycle::{Emitter, Entity, HookRegistration, LifecycleEvent, LifecycleHook};
 use crate::load::{Load, LoadSnapshot};
 use crate::memo::MEMO_MIGRATIONS;
 use crate::migrations::{
@@ -431,6 +431,13 @@ impl<B> Inner<B> {
             self.pending.set(None);
         }
         result
+    }
+
+    /// Emits the event `event` builds, building it only when a hook listens.
+    fn emit(&self, event: impl FnOnce() -> LifecycleEvent) {
+        if self.emitter.has_hooks() {
+            self.emitter.emit(&event());
+        }
     }
 
     /// Changes the cached count inside a transaction body.

@@ -364,7 +364,7 @@ where
             return Err(SettlementError::Stale { id: row.id.clone() });
         }
         let timestamp = self.engine.now();
-        self.emitter.emit(&LifecycleEvent::AttemptSettled {
+        self.emit(|| LifecycleEvent::AttemptSettled {
             entity: entity(&claim.message_id, &row.target_id, &row.generation),
             timestamp,
             attempt: row.attempt,
@@ -501,7 +501,7 @@ where
     fn emit_completed(&self, state: &SettleState) {
         let row = &state.claim.row;
         let timestamp = self.engine.now();
-        self.emitter.emit(&LifecycleEvent::AttemptSettled {
+        self.emit(|| LifecycleEvent::AttemptSettled {
             entity: entity(&state.claim.message_id, &row.target_id, &row.generation),
             timestamp,
             attempt: row.attempt,
@@ -517,7 +517,7 @@ where
         error: Option<SerializedError>,
     ) {
         let row = &claim.row;
-        self.emitter.emit(&LifecycleEvent::Terminal {
+        self.emit(|| LifecycleEvent::Terminal {
             entity: entity(&claim.message_id, &row.target_id, &row.generation),
             timestamp: self.engine.now(),
             attempt: row.attempt,
