@@ -2181,3 +2181,82 @@ async fn enqueue_results_serialize_in_the_reference_shape() {
     })
     .await;
 }
+
+// §3.16
+#[tokio::test(start_paused = true)]
+async fn a_target_added_later_never_receives_older_messages() {
+    support::on_harness(|h| async move {
+        let first = Scheduler::new(h.context()).unwrap();
+        h.install(&first);
+        let old = Fanout::<String>::builder(&first)
+            .target("a", consumer(&Batches::default(), |_| Act::Leave))
+            .batch_delay(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        accepted(old.enqueue(inputs(&["old"]), &EnqueueOptions::all()).await);
+        drop(old);
+        let second = scheduler(&h);
+        let (a, b) = (Batches::default(), Batches::default());
+        let fanout = Fanout::<String>::builder(&second)
+            .target("a", acking(&a))
+            .target("b", acking(&b))
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["new"]), &EnqueueOptions::all())
+                .await,
+        );
+        sleep_ms(61_000).await;
+        assert_eq!(a.deliveries_of("old"), vec![1]);
+        assert!(
+            b.deliveries_of("old").is_empty(),
+            "its targets were frozen at acceptance"
+        );
+        assert_eq!(b.deliveries_of("new"), vec![1]);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn migrating_to_none_drops_the_fanout_tables_and_their_memos() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|batch: Vec<FanoutMessage<String>>| async move {
+                    let _: u32 = batch[0]
+                        .memo
+                        .memoize("step", async { Ok::<_, HandlerError>(7) })
+                        .await?;
+                    Err(HandlerError::new("again later"))
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 60_000.0 })
+            .build()
+            .unwrap();
+        accepted(fanout.enqueue(inputs(&["m"]), &EnqueueOptions::all()).await);
+        settle().await;
+        assert_eq!(count(&*ctx, "SELECT COUNT(*) FROM durability_memos"), 1);
+        drop(fanout);
+        let report =
+            Fanout::<String>::migrate(ctx.storage(), durability::migrations::MigrationTarget::None)
+                .unwrap();
+        assert_eq!(
+            report.rolled_back,
+            vec![
+                "durability_0009_create_fanout_parked",
+                "durability_0005_create_fanout"
+            ]
+        );
+        let left = count(
+            &*ctx,
+            "SELECT COUNT(*) FROM sqlite_master WHERE name LIKE 'durability_fanout%'",
+        );
+        assert_eq!(left, 0);
+        assert_eq!(count(&*ctx, "SELECT COUNT(*) FROM durability_memos"), 0);
+    })
+    .await;
+}
