@@ -85,8 +85,9 @@
 //!
 //! Sharing: the client is `Send + Sync` and cloning it is one
 //! reference-count increment, so the tasks of a multi-threaded runtime can
-//! share one. Its observations and width sit behind `std` mutexes that are
-//! held for a few map operations and never across an await.
+//! share one. Its observations and width sit behind one `std` mutex, taken
+//! twice per push (to choose, to learn) for a few map operations and never
+//! across an await or the application's code.
 //!
 //! Time and randomness come from the caller (a clock closure, a seed), so
 //! this module builds for `wasm32-unknown-unknown` like the rest of the
@@ -129,7 +130,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll};
 
 use durability_platform::{EpochMs, MAX_SAFE_INTEGER};
@@ -137,7 +138,7 @@ use durability_platform::{EpochMs, MAX_SAFE_INTEGER};
 use crate::error::ConfigError;
 use crate::load::LoadSnapshot;
 use adaptive::{Adaptive, Resize};
-use observations::ObservationTable;
+use observations::{ObservationTable, RoutingState};
 
 /// A clock of epoch milliseconds, shared by the client's pushes.
 type Clock = Box<dyn Fn() -> EpochMs + Send + Sync>;
@@ -163,10 +164,9 @@ struct Inner<C: ShardCaller> {
     clock: Clock,
     /// `None`: the default adaptive algorithm.
     sharding: Option<ShardingFn<C::Input>>,
-    observations: Mutex<ObservationTable>,
-    /// Used by the default algorithm only; with custom sharding its width
-    /// stays 1 for ever.
-    adaptive: Mutex<Adaptive>,
+    /// Observations, and the default algorithm's width (which stays 1 for
+    /// ever with custom sharding).
+    state: Mutex<RoutingState>,
 }
 
 /// Configures a [`RoutingClient`]; every option has a validated default.
@@ -226,15 +226,15 @@ impl<C: ShardCaller> RoutingClient<C> {
     /// stale ones.
     pub fn observations(&self) -> HashMap<String, LoadSnapshot> {
         let now = (self.inner.clock)();
-        let mut table = observations::lock(&self.inner.observations);
-        table.expire(now);
-        table.fresh(now)
+        let mut state = observations::lock(&self.inner.state);
+        state.table.expire(now);
+        state.table.fresh(now)
     }
 
     /// How many shards the default algorithm spreads pushes over now
     /// (`shard-0 .. shard-<width-1>`); always 1 with custom sharding.
     pub fn width(&self) -> u64 {
-        lock_adaptive(&self.inner.adaptive).width()
+        observations::lock(&self.inner.state).adaptive.width()
     }
 
     /// The caller the client reaches objects with.
@@ -251,16 +251,18 @@ impl<C: ShardCaller> Inner<C> {
         now: EpochMs,
     ) -> Result<RoutingTarget, RoutingError<C::Error>> {
         let Some(sharding) = &self.sharding else {
-            let (a, b) = lock_adaptive(&self.adaptive).candidates();
-            let mut table = observations::lock(&self.observations);
-            table.expire(now);
+            let mut state = observations::lock(&self.state);
+            let (a, b) = state.adaptive.candidates();
+            state.table.expire(now);
             return Ok(RoutingTarget::new(shard_key(adaptive::choose(
-                &table, a, b,
+                &state.table,
+                a,
+                b,
             ))));
         };
-        observations::lock(&self.observations).expire(now);
-        // No lock is held while the application's function runs.
-        let view = Observations::new(&self.observations, now);
+        // No lock is held while the application's function runs; the view
+        // hides what is stale at `now`, and `learn` expires it for good.
+        let view = Observations::new(&self.state, now);
         let target = sharding(input, context, &view).map_err(RoutingError::Sharding)?;
         if target.shard.is_empty() {
             return Err(RoutingError::EmptyShard);
@@ -275,14 +277,15 @@ impl<C: ShardCaller> Inner<C> {
             return;
         };
         let now = (self.clock)();
-        observations::lock(&self.observations).record(shard, snapshot, now);
+        let mut state = observations::lock(&self.state);
+        state.table.expire(now);
+        state.table.record(shard, snapshot, now);
         if self.sharding.is_some() {
             return;
         }
-        let mut adaptive = lock_adaptive(&self.adaptive);
-        if let Some(change) = adaptive.resize(&snapshot, now) {
-            let width = adaptive.width();
-            drop(adaptive);
+        if let Some(change) = state.adaptive.resize(&snapshot, now) {
+            let width = state.adaptive.width();
+            drop(state);
             tracing::debug!(
                 event = match change {
                     Resize::Widened => "durability.routing.widened",
@@ -295,13 +298,6 @@ impl<C: ShardCaller> Inner<C> {
             );
         }
     }
-}
-
-/// Locks the default algorithm's state. Only its own arithmetic runs under
-/// the lock (never an await or user code), so a poisoned lock still guards
-/// consistent state and is taken over.
-fn lock_adaptive(adaptive: &Mutex<Adaptive>) -> MutexGuard<'_, Adaptive> {
-    adaptive.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl<C: ShardCaller> RoutingClientBuilder<C> {
@@ -382,8 +378,10 @@ impl<C: ShardCaller> RoutingClientBuilder<C> {
                 caller: self.caller,
                 clock: self.clock,
                 sharding: self.sharding,
-                observations: Mutex::new(ObservationTable::default()),
-                adaptive: Mutex::new(Adaptive::new(self.soft_backlog_limit, self.max_width, seed)),
+                state: Mutex::new(RoutingState {
+                    table: ObservationTable::default(),
+                    adaptive: Adaptive::new(self.soft_backlog_limit, self.max_width, seed),
+                }),
             }),
         })
     }
@@ -410,7 +408,7 @@ impl<C: ShardCaller> fmt::Debug for RoutingClient<C> {
             .field("width", &self.width())
             .field(
                 "observed_shards",
-                &observations::lock(&self.inner.observations).len(),
+                &observations::lock(&self.inner.state).table.len(),
             )
             .finish_non_exhaustive()
     }

@@ -8,10 +8,11 @@
 //! from the front). A push therefore never walks the table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use durability_platform::EpochMs;
 
+use super::adaptive::Adaptive;
 use crate::load::{LOAD_WINDOW_MS, LoadSnapshot};
 
 /// The most shards a client remembers; past it the shard recorded least
@@ -115,12 +116,20 @@ impl ObservationTable {
     }
 }
 
-/// Locks the table. No code runs under this lock but the table's own
-/// O(log n) steps and no await happens while it is held, so a poisoned
-/// lock (a panic elsewhere in the holder's thread) still guards a
-/// consistent table and is taken over.
-pub(crate) fn lock(table: &Mutex<ObservationTable>) -> std::sync::MutexGuard<'_, ObservationTable> {
-    table.lock().unwrap_or_else(PoisonError::into_inner)
+/// What a client changes on every push: its observations and the default
+/// algorithm's width. One lock for both, so a push takes it twice (to
+/// choose, to learn) and threads that share the client rarely queue on it.
+pub(crate) struct RoutingState {
+    pub(crate) table: ObservationTable,
+    pub(crate) adaptive: Adaptive,
+}
+
+/// Locks the state. No code runs under this lock but the table's and the
+/// width's own O(log n) steps (never an await, never the application's
+/// code), so a poisoned lock (a panic elsewhere in the holder's thread)
+/// still guards consistent state and is taken over.
+pub(crate) fn lock(state: &Mutex<RoutingState>) -> MutexGuard<'_, RoutingState> {
+    state.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The client's recent observations, as custom sharding sees them during
@@ -133,13 +142,13 @@ pub(crate) fn lock(table: &Mutex<ObservationTable>) -> std::sync::MutexGuard<'_,
 /// land. [`Observations::to_map`] takes a consistent copy when a sharding
 /// function needs one. Nothing here can change what the client holds.
 pub struct Observations<'a> {
-    table: &'a Mutex<ObservationTable>,
+    state: &'a Mutex<RoutingState>,
     now: EpochMs,
 }
 
 impl<'a> Observations<'a> {
-    pub(crate) fn new(table: &'a Mutex<ObservationTable>, now: EpochMs) -> Self {
-        Observations { table, now }
+    pub(crate) fn new(state: &'a Mutex<RoutingState>, now: EpochMs) -> Self {
+        Observations { state, now }
     }
 
     /// When the push started, by the client's clock (epoch ms).
@@ -149,7 +158,8 @@ impl<'a> Observations<'a> {
 
     /// The newest snapshot of `shard`, if a fresh one is held.
     pub fn get(&self, shard: &str) -> Option<LoadSnapshot> {
-        lock(self.table)
+        lock(self.state)
+            .table
             .get(shard)
             .filter(|snapshot| !is_stale(snapshot.observed_at, self.now))
             .copied()
@@ -167,7 +177,7 @@ impl<'a> Observations<'a> {
 
     /// A copy of every fresh snapshot, by shard key.
     pub fn to_map(&self) -> HashMap<String, LoadSnapshot> {
-        lock(self.table).fresh(self.now)
+        lock(self.state).table.fresh(self.now)
     }
 }
 
@@ -175,7 +185,7 @@ impl std::fmt::Debug for Observations<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Observations")
             .field("now", &self.now)
-            .field("shards", &lock(self.table).len())
+            .field("shards", &lock(self.state).table.len())
             .finish()
     }
 }
