@@ -18,20 +18,51 @@ use crate::log::Appended;
 /// The client calls it exactly once per push and never retries it. On the
 /// embedded host an implementation is a stub call:
 ///
-/// ```ignore
+/// ```
+/// use std::future::Future;
+/// use std::rc::Rc;
+/// use durability::fanout::{EnqueueOptions, EnqueueResult, Fanout, FanoutError, FanoutInput};
+/// use durability::routing::{CallContext, RoutingTarget, ShardCaller};
+/// use durability_host::{CallError, DurableObject, HostError, Namespace};
+///
+/// struct Mailbox {
+///     fanout: Fanout<String>,
+/// }
+/// impl DurableObject for Mailbox {}
+///
+/// impl Mailbox {
+///     // The application's method: what one push runs on the object.
+///     async fn push(&self, batch: Vec<String>) -> Result<EnqueueResult<Vec<String>>, FanoutError> {
+///         let batch = batch.into_iter().map(FanoutInput::new).collect();
+///         self.fanout.enqueue(batch, &EnqueueOptions::all()).await
+///     }
+/// }
+///
+/// #[derive(Debug, thiserror::Error)]
+/// enum MailboxError {
+///     #[error("bad object name")]
+///     Name(#[from] HostError),
+///     #[error("the call did not complete")]
+///     Call(#[from] CallError),
+///     #[error("the mailbox failed")]
+///     Fanout(#[from] FanoutError),
+/// }
+///
+/// struct Mailboxes(Namespace<Mailbox>);
+///
 /// impl ShardCaller for Mailboxes {
-///     type Input = Vec<FanoutInput<Email>>;
+///     type Input = Vec<String>;
 ///     type Output = EnqueueResult<Vec<String>>;
 ///     type Error = MailboxError;
 ///
-///     fn call(&self, target: &RoutingTarget, batch: Self::Input, _: &CallContext)
-///         -> impl Future<Output = Result<Self::Output, Self::Error>> + Send
+///     fn call(&self, target: &RoutingTarget, batch: Vec<String>, _: &CallContext)
+///         -> impl Future<Output = Result<Self::Output, MailboxError>> + Send
 ///     {
-///         let stub = self.namespace.stub(&target.shard);
+///         let stub = self.0.stub(&target.shard);
 ///         async move {
 ///             let stub = stub?;
-///             stub.call(move |mailbox: Rc<Mailbox>| async move { mailbox.push(batch).await })
-///                 .await?
+///             Ok(stub.call(move |mailbox: Rc<Mailbox>| async move { mailbox.push(batch).await })
+///                 .await??)
 ///         }
 ///     }
 /// }
