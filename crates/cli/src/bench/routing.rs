@@ -75,7 +75,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             format!(
                 "host: 2 executor threads; callers on a 2-worker tokio runtime; {CALLERS} pushes in flight"
             ),
-            "memory-N: an in-memory object (Load + counter) per shard; stub-N: the same call without the client".into(),
+            "memory-N: an in-memory object (Load + counter) per shard; stub-N: the same call on a stub made per call, without the client; rate_vs_stub in the JSON".into(),
             "fanout-N: a one-message fanout enqueue per push (one commit, synchronous FULL)".into(),
             format!(
                 "spread: {PRODUCERS} producers for {spread_seconds} s; customers Zipf(s={ZIPF_EXPONENT}) over {CUSTOMERS}; batch sizes 1/2/10/50/200 drawn 60/20/12/6/2 %; nothing delivered during the run"
@@ -282,22 +282,18 @@ async fn throughput(env: &BenchEnv, report: &mut ScenarioReport) -> Result<(), B
         )
         .await?
         .with("objects", count(objects));
-        let stubs: Arc<Vec<_>> = Arc::new(
-            (0..count(objects))
-                .map(|i| namespace.stub(&object_name(i, objects)))
-                .collect::<Result<_, _>>()?,
-        );
+        let direct_namespace = namespace.clone();
         let direct = drive(
             env,
             &format!("stub-{objects}/call"),
-            "1 call = the same host call on a stub, no client",
+            "1 call = the same host call on a stub made per call (as the caller does), no client",
             memory_pushes,
             CALLERS,
             move |i| {
-                let stubs = Arc::clone(&stubs);
+                let stub = direct_namespace.stub(&object_name(i, objects));
                 async move {
-                    let stub = &stubs[usize::try_from(i % count(stubs.len())).unwrap_or(0)];
-                    stub.call(|object: Rc<MemoryObject>| async move { object.push(1) })
+                    stub?
+                        .call(|object: Rc<MemoryObject>| async move { object.push(1) })
                         .await
                         .map(|_| ())
                         .map_err(BenchError::from)
