@@ -435,10 +435,15 @@ async fn stored_operation_without_handler_fails_on_first_claim() {
         );
         assert_eq!(events.trace("a"), ["attempt_started 1", "attempt_settled:failed 1"]);
 
-        // The same for an operation registered through this helper by name.
-        ops.start("typo", "b", &()).await.unwrap();
-        let result = ops.wait::<()>("typo", "b", LONG_WAIT).await.unwrap();
-        assert!(matches!(result, OperationResult::Failed { attempt: 1, .. }));
+        // Registering a name this helper has no handler for is refused and
+        // stores nothing: a typo never becomes a row that can only fail.
+        let refused = ops.start("typo", "b", &()).await;
+        assert!(matches!(
+            refused,
+            Err(durability::DurabilityError::UnknownHandler { kind: "operation", .. })
+        ));
+        let result = ops.result::<()>("typo", "b").unwrap();
+        assert_eq!(result, OperationResult::NotFound);
     })
     .await;
 }
