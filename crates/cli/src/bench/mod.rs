@@ -195,19 +195,26 @@ impl BenchEnv {
         Ok(path)
     }
 
-    /// A progress bar for a phase of `total` operations. It draws on stderr
-    /// only when stderr is a terminal, so piped and test runs stay clean.
+    /// A progress bar for a phase of `total` operations (see
+    /// [`progress_bar`]).
     pub fn progress(&self, phase: &str, total: u64) -> ProgressBar {
-        let bar = ProgressBar::new(total);
-        let style = ProgressStyle::with_template(
-            "{prefix:>28} [{bar:30}] {pos:>7}/{len:7} {per_sec:>12} {elapsed:>4}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-        bar.set_style(style);
-        bar.set_prefix(phase.to_owned());
-        bar
+        progress_bar(phase, total)
     }
+}
+
+/// A progress bar for a phase of `total` operations, in the style of every
+/// bar of the binary (the demo's too). It draws on stderr only when stderr
+/// is a terminal, so piped and test runs stay clean.
+pub(crate) fn progress_bar(phase: &str, total: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    let style = ProgressStyle::with_template(
+        "{prefix:>28} [{bar:30}] {pos:>7}/{len:7} {per_sec:>12} {elapsed:>4}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_prefix(phase.to_owned());
+    bar
 }
 
 /// Runs `durability bench`, writes the JSON file if asked, and returns the

@@ -19,7 +19,7 @@ mod alarms;
 mod attempts;
 mod child;
 mod fanout;
-mod journal;
+pub(crate) mod journal;
 mod log;
 mod operations;
 mod supervisor;
