@@ -65,11 +65,15 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let sessions = host.namespace("sessions", Session::new)?;
     let session = sessions.stub("user-7")?;
     for _ in 0..3 {
-        session.call(|s: Rc<Session>| async move { s.touch().await }).await??;
+        session
+            .call(|s: Rc<Session>| async move { s.touch().await })
+            .await??;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     tokio::time::sleep(Duration::from_millis(2_000)).await;
-    let expired = session.call(|s: Rc<Session>| async move { s.expired.get() }).await?;
+    let expired = session
+        .call(|s: Rc<Session>| async move { s.expired.get() })
+        .await?;
     println!("expired {expired} time(s) after 3 touches");
     host.shutdown().await;
     Ok(())

@@ -44,7 +44,10 @@ impl Payments {
                     return Err(HandlerError::new("provider unavailable"));
                 }
                 Ok::<_, HandlerError>(Receipt {
-                    reference: format!("{}:{}:{}", call.payload.account, call.payload.cents, call.id),
+                    reference: format!(
+                        "{}:{}:{}",
+                        call.payload.account, call.payload.cents, call.id
+                    ),
                     attempts: call.attempt,
                 })
             })
@@ -80,8 +83,14 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 cents: 1_250,
             };
             // The same id twice: the second registration writes nothing.
-            let first = payments.operations.start("charge", "order-17", &charge).await?;
-            payments.operations.start("charge", "order-17", &charge).await?;
+            let first = payments
+                .operations
+                .start("charge", "order-17", &charge)
+                .await?;
+            payments
+                .operations
+                .start("charge", "order-17", &charge)
+                .await?;
             Ok::<_, durability::DurabilityError>(first)
         })
         .await??;
@@ -103,7 +112,10 @@ async fn main() -> Result<(), Box<dyn Error>> {
         .await??;
     match result {
         OperationResult::Completed { result } => {
-            println!("charged: {} after {} attempts", result.reference, result.attempts)
+            println!(
+                "charged: {} after {} attempts",
+                result.reference, result.attempts
+            )
         }
         other => println!("not done yet: {other:?}"),
     }

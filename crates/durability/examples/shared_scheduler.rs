@@ -66,7 +66,9 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let jobs = host.namespace("jobs", Jobs::new)?;
     let job = jobs.stub("images")?;
     job.call(|jobs: Rc<Jobs>| async move {
-        jobs.operations.start("resize", "cover", &(1_024_u32, 768_u32)).await?;
+        jobs.operations
+            .start("resize", "cover", &(1_024_u32, 768_u32))
+            .await?;
         let soon = jobs.scheduler.now_ms() + 500;
         jobs.alarms.schedule("report", soon).await
     })
