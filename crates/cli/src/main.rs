@@ -30,8 +30,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the demo on an embedded data directory (today: a smoke run of the
-    /// object host: objects, rows, alarms that fire).
+    /// Run a mailbox service on an embedded data directory: fanout to an
+    /// inbox and an archive with retries and dead letters, a cleanup alarm,
+    /// digest operations; resumes an interrupted run.
     Demo(demo::DemoArgs),
     /// List every object of a data directory without constructing any.
     Inspect(inspect::InspectArgs),

@@ -68,16 +68,24 @@ fn bench_help_lists_every_scenario() {
 }
 
 #[test]
-fn demo_then_inspect_lists_the_objects_it_created() {
+fn demo_then_inspect_lists_the_mailbox_shards() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let data = dir.path().join("data");
 
-    let demo = durability(&["demo", "--data-dir", path_arg(&data), "--json"]);
+    let demo = durability(&[
+        "demo",
+        "--data-dir",
+        path_arg(&data),
+        "--messages",
+        "300",
+        "--shards",
+        "2",
+        "--json",
+    ]);
     assert!(succeeded(&demo));
     let summary = json_of(&demo.stdout);
-    assert_eq!(summary["objects"], 4);
-    assert_eq!(summary["alarms_fired"], 4);
-    assert_eq!(summary["notes_stored"], 20);
+    assert_eq!(summary["accepted"], 300);
+    assert_eq!(summary["lost"], 0);
 
     let inspect = durability(&["inspect", path_arg(&data), "--json"]);
     assert!(succeeded(&inspect));
@@ -86,15 +94,10 @@ fn demo_then_inspect_lists_the_objects_it_created() {
         .as_array()
         .unwrap_or_else(|| panic!("no objects array in {listing}"));
     let names: Vec<&str> = objects.iter().filter_map(|o| o["name"].as_str()).collect();
-    assert_eq!(
-        names,
-        ["notebook-0", "notebook-1", "notebook-2", "notebook-3"]
-    );
+    assert_eq!(names, ["mailbox-0", "mailbox-1"]);
     for object in objects {
-        assert_eq!(object["namespace"], "notebooks");
+        assert_eq!(object["namespace"], "mailbox");
         assert_eq!(object["error"], Value::Null);
-        // Every alarm fired and none was set again.
-        assert_eq!(object["alarm_ms"], Value::Null);
         assert!(object["file_bytes"].as_u64().unwrap_or(0) > 0);
         let rows = |table: &str| {
             object["tables"]
@@ -102,29 +105,45 @@ fn demo_then_inspect_lists_the_objects_it_created() {
                 .and_then(|tables| tables.iter().find(|t| t["table"] == table))
                 .and_then(|t| t["rows"].as_u64())
         };
-        assert_eq!(rows("notes"), Some(5));
-        assert_eq!(rows("alarm_runs"), Some(1));
+        // Every delivery settled, and the inbox holds what was delivered.
+        assert_eq!(rows("durability_fanout_deliveries"), Some(0));
+        assert!(rows("mailbox_inbox").is_some_and(|n| n > 0));
     }
 }
 
 #[test]
-fn a_second_demo_run_continues_on_the_same_directory() {
+fn a_second_demo_run_starts_the_next_run_on_the_same_directory() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let data = path_arg(dir.path());
-    assert!(succeeded(&durability(&[
+    let args = [
         "demo",
         "--data-dir",
         data,
-        "--objects",
+        "--messages",
+        "200",
+        "--shards",
         "2",
-        "--json"
-    ])));
-    let second = durability(&["demo", "--data-dir", data, "--objects", "2", "--json"]);
+        "--json",
+    ];
+    let first = durability(&args);
+    assert!(succeeded(&first));
+    assert_eq!(json_of(&first.stdout)["run"], 1);
+    let second = durability(&args);
     assert!(succeeded(&second));
     let summary = json_of(&second.stdout);
-    assert_eq!(summary["notes_written"], 10);
-    assert_eq!(summary["notes_stored"], 20);
-    assert_eq!(summary["alarm_runs_stored"], 4);
+    assert_eq!(summary["run"], 2);
+    assert_eq!(summary["resumed"], false);
+    assert_eq!(summary["accepted"], 200);
+    assert_eq!(summary["lost"], 0);
+    for run in ["1", "2"] {
+        assert!(
+            dir.path()
+                .join("runs")
+                .join(run)
+                .join("summary.json")
+                .exists()
+        );
+    }
 }
 
 #[test]
