@@ -5,7 +5,7 @@
 //! the event, and work re-run after a crash emits its events again. A hook
 //! can never change state or the caller's control flow: each hook runs on its
 //! own, a returned future is handed to
-//! [`Context::wait_until`](durability_platform::Context::wait_until), and a
+//! [`durability_platform::Context::wait_until`], and a
 //! failing hook is only logged (`durability.lifecycle_hook.failed`).
 //!
 //! Serialized, an event has the reference library's camelCase shape, so it

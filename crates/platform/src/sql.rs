@@ -260,7 +260,8 @@ impl Row {
 /// Synchronous SQL over the object's own database.
 ///
 /// Statements outside a transaction commit on their own. Inside
-/// [`Storage::transaction_sync`] or [`Storage::transaction`] they join the
+/// [`StorageExt::transaction_sync`](crate::StorageExt::transaction_sync) or
+/// [`StorageExt::transaction`](crate::StorageExt::transaction) they join the
 /// transaction. Implementations cache prepared statements, so callers pass
 /// constant SQL text and vary only the parameters.
 pub trait Sql {

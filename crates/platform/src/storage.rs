@@ -47,7 +47,7 @@ pub enum StorageError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rollback;
 
-/// SQL inside [`Storage::transaction`], plus the object's alarm, so that rows
+/// SQL inside [`StorageExt::transaction`], plus the object's alarm, so that rows
 /// and alarm commit or roll back together.
 pub trait Transaction: Sql {
     /// The alarm as it will be after this transaction commits.

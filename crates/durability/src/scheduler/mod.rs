@@ -17,10 +17,10 @@
 //! - the alarm run itself, with a handoff before the platform's wall-time
 //!   limit and a fallback alarm of its own when a run fails (the platform
 //!   drops an alarm after a few failed deliveries, which would strand work);
-//! - the attempt lifecycle ([`attempt`]) and settlement watchers.
+//! - the attempt lifecycle (`attempt`) and settlement watchers.
 //!
 //! It must not know what a record *means*: operations, named alarms and
-//! fanout say that through [`Participant`] and [`attempt::AttemptKind`].
+//! fanout say that through `Participant` and `attempt::AttemptKind`.
 
 pub(crate) mod attempt;
 mod signal;
