@@ -25,6 +25,7 @@ use crate::context::ObjectContext;
 use crate::host::HostCore;
 use crate::id::object_path;
 use crate::index::{IndexWrite, IndexedAlarm};
+use crate::residency::{Admission, Residency};
 use crate::storage::ObjectStorage;
 use crate::{BoxError, CallError, DurableObject};
 
@@ -59,6 +60,29 @@ impl<T: DurableObject> ErasedObject for T {
     }
 }
 
+tokio::task_local! {
+    /// The object whose task runs now: a call made from here is a nested
+    /// call, which the live-object cap must not let deadlock.
+    static CURRENT_OBJECT: ObjectId;
+}
+
+/// The object whose code is running on this task, if any.
+pub(crate) fn current_object() -> Option<ObjectId> {
+    CURRENT_OBJECT.try_with(ObjectId::clone).ok()
+}
+
+/// What to do with an object once it is live (or could not be made live):
+/// the rest of a call or an alarm run.
+type Then = Box<dyn FnOnce(&Rc<Executor>, Result<Rc<Slot>, CallError>)>;
+
+/// A construction waiting for room under the live-object cap, with the
+/// calls and alarm runs that wait for the object, in arrival order.
+struct Waiting {
+    namespace: Arc<str>,
+    name: Option<Arc<str>>,
+    then: Vec<Then>,
+}
+
 /// Builds an object of one namespace from its context.
 pub(crate) type Constructor =
     Arc<dyn Fn(ObjectContext) -> Result<Rc<dyn ErasedObject>, BoxError> + Send + Sync>;
@@ -73,6 +97,10 @@ struct Slot {
 /// Book-keeping of one live object that its context needs too: what keeps
 /// it alive and which background tasks die with it.
 pub(crate) struct SlotState {
+    id: ObjectId,
+    /// The index of the object's executor, for the host-wide LRU.
+    executor: usize,
+    residency: Arc<Residency>,
     /// Calls and alarm runs in flight.
     calls: Cell<usize>,
     /// `wait_until` tasks pending.
@@ -100,12 +128,22 @@ impl Drop for Activity {
         };
         counter.set(counter.get().saturating_sub(1));
         self.state.last_active.set(Instant::now());
+        // An evicted object's tasks end by abort; it is no longer a
+        // candidate for anything.
+        if !self.state.busy() && !self.state.evicted.get() {
+            self.state
+                .residency
+                .became_idle(&self.state.id, self.state.executor);
+        }
     }
 }
 
 impl SlotState {
-    fn new() -> Rc<Self> {
+    fn new(id: ObjectId, executor: usize, residency: Arc<Residency>) -> Rc<Self> {
         Rc::new(SlotState {
+            id,
+            executor,
+            residency,
             calls: Cell::new(0),
             waits: Cell::new(0),
             last_active: Cell::new(Instant::now()),
@@ -119,7 +157,15 @@ impl SlotState {
         self.calls.get() > 0 || self.waits.get() > 0
     }
 
+    /// Tells the host-wide LRU that the object is about to turn busy.
+    fn begin_activity(&self) {
+        if !self.busy() && !self.evicted.get() {
+            self.residency.became_busy(&self.id);
+        }
+    }
+
     pub(crate) fn begin_call(self: &Rc<Self>) -> Activity {
+        self.begin_activity();
         self.calls.set(self.calls.get() + 1);
         Activity {
             state: Rc::clone(self),
@@ -128,6 +174,7 @@ impl SlotState {
     }
 
     pub(crate) fn begin_wait(self: &Rc<Self>) -> Activity {
+        self.begin_activity();
         self.waits.set(self.waits.get() + 1);
         Activity {
             state: Rc::clone(self),
@@ -145,6 +192,7 @@ impl SlotState {
         let key = self.next_task.get();
         self.next_task.set(key.wrapping_add(1));
         let weak = Rc::downgrade(self);
+        let task = CURRENT_OBJECT.scope(self.id.clone(), task);
         let handle = tokio::task::spawn_local(async move {
             task.await;
             if let Some(state) = weak.upgrade()
@@ -220,7 +268,11 @@ impl Schedule {
 pub(crate) struct Executor {
     core: Arc<HostCore>,
     me: Weak<Executor>,
+    /// This executor's index among the host's executors.
+    index: usize,
     objects: RefCell<HashMap<ObjectId, Rc<Slot>>>,
+    /// Objects waiting for room under the live-object cap.
+    waiting: RefCell<HashMap<ObjectId, Waiting>>,
     schedule: RefCell<Schedule>,
     /// Wakes the alarm loop when the schedule changed.
     wake: Notify,
@@ -228,11 +280,13 @@ pub(crate) struct Executor {
 }
 
 /// Runs one executor until its host is dropped or shut down.
-pub(crate) async fn run(core: Arc<HostCore>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+pub(crate) async fn run(core: Arc<HostCore>, index: usize, mut jobs: mpsc::UnboundedReceiver<Job>) {
     let executor = Rc::new_cyclic(|me| Executor {
         core,
         me: me.clone(),
+        index,
         objects: RefCell::new(HashMap::new()),
+        waiting: RefCell::new(HashMap::new()),
         schedule: RefCell::new(Schedule::default()),
         wake: Notify::new(),
         closed: Cell::new(false),
@@ -274,13 +328,17 @@ async fn alarm_loop(executor: Rc<Executor>) {
 }
 
 impl Executor {
-    /// Runs a call on object `id`, constructing it if needed. The result
-    /// goes to `reply`; `guard` keeps the host's shutdown waiting.
+    /// Runs a call on object `id`, constructing it if needed (after
+    /// waiting for room under the live-object cap). The result goes to
+    /// `reply`; `guard` keeps the host's shutdown waiting. `caller` is the
+    /// object whose code made the call, if one did.
+    #[allow(clippy::too_many_arguments)] // each argument is a distinct part of one call
     pub(crate) fn call<T, F, Fut, R>(
         self: &Rc<Self>,
         id: ObjectId,
         namespace: Arc<str>,
         name: Arc<str>,
+        caller: Option<ObjectId>,
         f: F,
         reply: tokio::sync::oneshot::Sender<Result<R, CallError>>,
         guard: crate::work::WorkGuard,
@@ -290,42 +348,164 @@ impl Executor {
         Fut: std::future::Future<Output = R> + 'static,
         R: 'static,
     {
-        let slot = match self.object(&id, &namespace, Some(&name)) {
-            Ok(slot) => slot,
-            Err(error) => {
-                let _ = reply.send(Err(error));
-                return;
-            }
-        };
-        let object = match Rc::clone(&slot.object).into_any().downcast::<T>() {
-            Ok(object) => object,
-            Err(_) => {
-                let _ = reply.send(Err(CallError::WrongType { id: id.to_string() }));
-                return;
-            }
-        };
-        let activity = slot.state.begin_call();
-        slot.state.spawn_tracked(Box::pin(async move {
-            let result = f(object).await;
-            let _ = reply.send(Ok(result));
-            drop(activity);
-            drop(guard);
-        }));
+        let then: Then = Box::new(move |_executor, slot| {
+            let slot = match slot {
+                Ok(slot) => slot,
+                Err(error) => {
+                    let _ = reply.send(Err(error));
+                    return;
+                }
+            };
+            let object = match Rc::clone(&slot.object).into_any().downcast::<T>() {
+                Ok(object) => object,
+                Err(_) => {
+                    let _ = reply.send(Err(CallError::WrongType {
+                        id: slot.state.id.to_string(),
+                    }));
+                    return;
+                }
+            };
+            let activity = slot.state.begin_call();
+            slot.state.spawn_tracked(Box::pin(async move {
+                let result = f(object).await;
+                let _ = reply.send(Ok(result));
+                drop(activity);
+                drop(guard);
+            }));
+        });
+        self.with_object(id, namespace, Some(name), caller, then);
     }
 
-    /// The live object `id`, constructed on first use.
-    fn object(
+    /// Runs `then` with the live object `id`: at once if it is live or
+    /// there is room to construct it, else once room is made.
+    fn with_object(
+        self: &Rc<Self>,
+        id: ObjectId,
+        namespace: Arc<str>,
+        name: Option<Arc<str>>,
+        caller: Option<ObjectId>,
+        then: Then,
+    ) {
+        let live = self.objects.borrow().get(&id).cloned();
+        if let Some(slot) = live {
+            then(self, Ok(slot));
+            return;
+        }
+        if let Some(waiting) = self.waiting.borrow_mut().get_mut(&id) {
+            // One construction per object: later calls queue behind it.
+            if waiting.name.is_none() {
+                waiting.name = name;
+            }
+            waiting.then.push(then);
+            if let Some(caller) = caller {
+                self.core.residency.also_waiting(&id, caller);
+            }
+            return;
+        }
+        if self.closed.get() {
+            then(self, Err(CallError::ShuttingDown));
+            return;
+        }
+        let residency = &self.core.residency;
+        loop {
+            match residency.admit(&id, self.index, caller.clone()) {
+                Admission::Now => {
+                    self.build(&id, &namespace, name.as_deref(), vec![then]);
+                    return;
+                }
+                Admission::EvictFirst(victim) => {
+                    // The host's least recently used idle object lives
+                    // here: it makes room, then the request is repeated
+                    // (another thread may have taken the freed slot).
+                    if !self.evict(&victim) {
+                        residency.spare(&victim);
+                    }
+                }
+                Admission::Wait => {
+                    tracing::debug!(object = %id, "waiting for room under the live-object cap");
+                    self.waiting.borrow_mut().insert(
+                        id,
+                        Waiting {
+                            namespace,
+                            name,
+                            then: vec![then],
+                        },
+                    );
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A slot was taken for the waiting object `id`: construct it and run
+    /// what waited for it.
+    pub(crate) fn admitted(self: &Rc<Self>, id: &ObjectId) {
+        let Some(waiting) = self.waiting.borrow_mut().remove(id) else {
+            // Its wait was cancelled (the executor closed).
+            self.core.residency.release_unbuilt();
+            return;
+        };
+        if self.closed.get() {
+            self.core.residency.release_unbuilt();
+            for then in waiting.then {
+                then(self, Err(CallError::ShuttingDown));
+            }
+            return;
+        }
+        self.build(
+            id,
+            &waiting.namespace,
+            waiting.name.as_deref(),
+            waiting.then,
+        );
+    }
+
+    /// Constructs object `id` in a slot already taken for it and runs
+    /// `thens` in order; a failed construction frees the slot.
+    fn build(
+        self: &Rc<Self>,
+        id: &ObjectId,
+        namespace: &Arc<str>,
+        name: Option<&str>,
+        thens: Vec<Then>,
+    ) {
+        match self.construct(id, namespace, name) {
+            Ok(slot) => {
+                for then in thens {
+                    then(self, Ok(Rc::clone(&slot)));
+                }
+                if !slot.state.busy() && !slot.state.evicted.get() {
+                    self.core.residency.became_idle(id, self.index);
+                }
+            }
+            Err(error) => {
+                self.core.residency.release_unbuilt();
+                let message = error.to_string();
+                let mut thens = thens.into_iter();
+                if let Some(first) = thens.next() {
+                    first(self, Err(error));
+                }
+                // CallError is not Clone; the others get the same story.
+                for then in thens {
+                    then(
+                        self,
+                        Err(CallError::Construct {
+                            id: id.to_string(),
+                            message: message.clone(),
+                        }),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Constructs object `id`; the caller holds a slot for it.
+    fn construct(
         self: &Rc<Self>,
         id: &ObjectId,
         namespace: &Arc<str>,
         name: Option<&str>,
     ) -> Result<Rc<Slot>, CallError> {
-        if let Some(slot) = self.objects.borrow().get(id) {
-            return Ok(Rc::clone(slot));
-        }
-        if self.closed.get() {
-            return Err(CallError::ShuttingDown);
-        }
         let constructor = self
             .core
             .constructor(namespace)
@@ -347,7 +527,7 @@ impl Executor {
             id: id.to_string(),
             source,
         })?;
-        let state = SlotState::new();
+        let state = SlotState::new(id.clone(), self.index, Arc::clone(&self.core.residency));
         let ctx = ObjectContext::new(
             id.clone(),
             Arc::clone(namespace),
@@ -390,7 +570,6 @@ impl Executor {
         self.objects
             .borrow_mut()
             .insert(id.clone(), Rc::clone(&slot));
-        self.core.live.fetch_add(1, Ordering::Relaxed);
         let watcher = watch_idle(
             self.me.clone(),
             id.clone(),
@@ -402,21 +581,44 @@ impl Executor {
     }
 
     /// Drops a live object: its memory, its background tasks and in-memory
-    /// timers, its connection. Storage and alarm stay.
+    /// timers, its connection. Storage and alarm stay; its slot frees.
     pub(crate) fn evict(&self, id: &ObjectId) -> bool {
         let Some(slot) = self.objects.borrow_mut().remove(id) else {
             return false;
         };
         slot.state.abort_all();
         slot.ctx.object_storage().close();
-        self.core.live.fetch_sub(1, Ordering::Relaxed);
+        self.core.residency.left(id);
         tracing::debug!(object = %id, "object evicted");
         true
     }
 
-    /// Evicts every object and stops the alarm loop (host shutdown).
-    pub(crate) fn close(&self) {
+    /// The residency chose object `id` to make room: it goes if it is still
+    /// idle and still chosen (a call may have arrived since).
+    pub(crate) fn evict_leaving(&self, id: &ObjectId) {
+        let idle = self
+            .objects
+            .borrow()
+            .get(id)
+            .is_some_and(|slot| !slot.state.busy());
+        if idle && self.core.residency.is_leaving(id) {
+            self.evict(id);
+        } else {
+            self.core.residency.spare(id);
+        }
+    }
+
+    /// Evicts every object and stops the alarm loop (host shutdown). What
+    /// waited for room fails with `ShuttingDown`.
+    pub(crate) fn close(self: &Rc<Self>) {
         self.closed.set(true);
+        self.core.residency.cancel_waiting_on(self.index);
+        let waiting: Vec<Waiting> = self.waiting.borrow_mut().drain().map(|(_, w)| w).collect();
+        for waiting in waiting {
+            for then in waiting.then {
+                then(self, Err(CallError::ShuttingDown));
+            }
+        }
         let ids: Vec<ObjectId> = self.objects.borrow().keys().cloned().collect();
         for id in ids {
             self.evict(&id);
@@ -492,16 +694,31 @@ impl Executor {
                     .push((id, entry));
                 continue;
             }
-            self.start_alarm(id, entry, now_ms);
+            self.start_alarm(id, entry);
         }
     }
 
-    fn start_alarm(self: &Rc<Self>, id: ObjectId, entry: Entry, now_ms: EpochMs) {
-        // Marked running before construction, so the new object does not
-        // schedule its own row a second time.
+    fn start_alarm(self: &Rc<Self>, id: ObjectId, entry: Entry) {
+        // Marked running before construction (which may wait for room), so
+        // the new object does not schedule its own row a second time.
         self.schedule.borrow_mut().running.insert(id.clone());
-        let slot = self.object(&id, &entry.namespace, None);
-        self.schedule.borrow_mut().running.remove(&id);
+        let namespace = Arc::clone(&entry.namespace);
+        let target = id.clone();
+        let then: Then = Box::new(move |executor, slot| {
+            executor.schedule.borrow_mut().running.remove(&id);
+            let now_ms = executor.core.clock.now_ms();
+            executor.run_alarm(id, entry, now_ms, slot);
+        });
+        self.with_object(target, namespace, None, None, then);
+    }
+
+    fn run_alarm(
+        self: &Rc<Self>,
+        id: ObjectId,
+        entry: Entry,
+        now_ms: EpochMs,
+        slot: Result<Rc<Slot>, CallError>,
+    ) {
         let slot = match slot {
             Ok(slot) => slot,
             Err(error) => {

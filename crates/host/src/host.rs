@@ -6,7 +6,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -18,6 +18,7 @@ use crate::context::ObjectContext;
 use crate::executor::{self, Constructor, ErasedObject, Job};
 use crate::id::{executor_of, object_id, object_path, validate_name};
 use crate::index::{AlarmIndex, IndexedAlarm};
+use crate::residency::{Residency, default_max_live_objects};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
 
@@ -56,7 +57,8 @@ pub(crate) struct HostCore {
     pub(crate) clock: Clock,
     pub(crate) index: Arc<AlarmIndex>,
     pub(crate) work: Arc<WorkTracker>,
-    pub(crate) live: AtomicUsize,
+    /// The live-object cap and the host-wide LRU of idle objects.
+    pub(crate) residency: Arc<Residency>,
     pub(crate) shutting_down: AtomicBool,
     namespaces: RwLock<HashMap<String, Constructor>>,
 }
@@ -127,6 +129,7 @@ pub struct HostBuilder {
     synchronous: Synchronous,
     shutdown_grace: Duration,
     clock_start_ms: Option<EpochMs>,
+    max_live_objects: Option<usize>,
 }
 
 impl Host {
@@ -139,6 +142,7 @@ impl Host {
             synchronous: Synchronous::Full,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             clock_start_ms: None,
+            max_live_objects: None,
         }
     }
 }
@@ -170,6 +174,31 @@ impl HostBuilder {
     /// `wait_until` work. Default: 30 s.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
+        self
+    }
+
+    /// The most objects in memory at once, host-wide. Each live object
+    /// holds three file descriptors (database, WAL, shared-memory index),
+    /// so without a cap the descriptor limit decides, and opening one more
+    /// object fails.
+    ///
+    /// When constructing an object would exceed the cap, the least recently
+    /// used *idle* objects (no call or alarm run in flight, no `wait_until`
+    /// pending) are evicted first, exactly as idle eviction would; their
+    /// rows and alarms stay. If no object is idle, the call (or alarm run)
+    /// waits until one is; busy objects are never evicted. If every live
+    /// object is itself waiting on a call to an object that is not live,
+    /// waiting would deadlock: one such call is admitted over the cap (a
+    /// `tracing` warning says so) and the excess is evicted as soon as
+    /// objects turn idle.
+    ///
+    /// Must be at least 1. Default: the process's soft `RLIMIT_NOFILE`
+    /// minus [`RESERVED_FDS`](crate::RESERVED_FDS), divided by
+    /// [`FDS_PER_LIVE_OBJECT`](crate::FDS_PER_LIVE_OBJECT), at most
+    /// [`DEFAULT_MAX_LIVE_OBJECTS_CEILING`](crate::DEFAULT_MAX_LIVE_OBJECTS_CEILING)
+    /// (about 6,600 at a limit of 20,000 descriptors).
+    pub fn max_live_objects(mut self, n: usize) -> Self {
+        self.max_live_objects = Some(n);
         self
     }
 
@@ -210,6 +239,15 @@ impl HostBuilder {
                 rule: "must be greater than zero",
             });
         }
+        if self.max_live_objects == Some(0) {
+            return Err(HostError::InvalidSetting {
+                setting: "max_live_objects",
+                rule: "must be at least 1",
+            });
+        }
+        let max_live_objects = self
+            .max_live_objects
+            .unwrap_or_else(default_max_live_objects);
         if self
             .clock_start_ms
             .is_some_and(|ms| !(0..=MAX_SAFE_INTEGER).contains(&ms))
@@ -232,7 +270,7 @@ impl HostBuilder {
             clock: Clock::start(self.clock_start_ms),
             index,
             work: Arc::new(WorkTracker::default()),
-            live: AtomicUsize::new(0),
+            residency: Arc::new(Residency::new(max_live_objects)),
             shutting_down: AtomicBool::new(false),
             namespaces: RwLock::new(HashMap::new()),
         });
@@ -243,6 +281,12 @@ impl HostBuilder {
                 .map(|n| start_thread(&core, n))
                 .collect::<Result<Vec<_>, _>>()?
         };
+        core.residency.connect(
+            executors
+                .iter()
+                .map(mpsc::UnboundedSender::downgrade)
+                .collect(),
+        );
         let host = Host {
             shared: Arc::new(HostShared {
                 core,
@@ -257,7 +301,7 @@ impl HostBuilder {
 
 fn start_inline(core: &Arc<HostCore>) -> Result<mpsc::UnboundedSender<Job>, HostError> {
     let (tx, rx) = mpsc::unbounded_channel();
-    let run = executor::run(Arc::clone(core), rx);
+    let run = executor::run(Arc::clone(core), 0, rx);
     // tokio offers no way to ask whether a LocalSet is current other than
     // trying; its refusal is turned into a typed error here.
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -284,7 +328,7 @@ fn start_thread(core: &Arc<HostCore>, n: usize) -> Result<mpsc::UnboundedSender<
         .name(format!("durability-host-{n}"))
         .spawn(move || {
             let local = tokio::task::LocalSet::new();
-            local.block_on(&runtime, executor::run(core, rx));
+            local.block_on(&runtime, executor::run(core, n, rx));
         })
         .map_err(io_error)?;
     Ok(tx)
@@ -379,9 +423,11 @@ impl Host {
         self.shared.core.clock.now_ms()
     }
 
-    /// How many objects are in memory now (for tests and memory benchmarks).
+    /// How many objects are in memory now, counting constructions under
+    /// way (for tests and memory benchmarks). At most
+    /// [`HostBuilder::max_live_objects`], except while a deadlock is broken.
     pub fn live_objects(&self) -> usize {
-        self.shared.core.live.load(Ordering::Relaxed)
+        self.shared.core.residency.live()
     }
 
     /// The data directory.
@@ -518,7 +564,11 @@ impl<T: DurableObject> Stub<T> {
         let id = self.id.clone();
         let namespace = Arc::clone(&self.namespace);
         let name = Arc::clone(&self.name);
-        let job: Job = Box::new(move |e| e.call::<T, F, Fut, R>(id, namespace, name, f, tx, guard));
+        // A call from an object's own code: if it must wait for room, the
+        // caller stays busy meanwhile, which the live-object cap must know.
+        let caller = executor::current_object();
+        let job: Job =
+            Box::new(move |e| e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard));
         self.host
             .send(&self.id, job)
             .map_err(|_| CallError::ShuttingDown)?;

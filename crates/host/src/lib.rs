@@ -10,7 +10,8 @@
 //! nothing of the capabilities built on that contract.
 //!
 //! Module map: `host` (handles: [`Host`], [`Namespace`], [`Stub`]),
-//! `executor` (where objects live, their alarms and eviction), `storage` (one
+//! `executor` (where objects live, their alarms and eviction), `residency`
+//! (the host-wide cap on live objects and its LRU), `storage` (one
 //! object's database and alarm), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
 //! listing of a data directory).
@@ -27,6 +28,7 @@ mod host;
 mod id;
 mod index;
 pub mod inspect;
+mod residency;
 mod storage;
 mod work;
 
@@ -41,6 +43,7 @@ pub use host::{
     Synchronous,
 };
 pub use id::MAX_NAME_BYTES;
+pub use residency::{DEFAULT_MAX_LIVE_OBJECTS_CEILING, FDS_PER_LIVE_OBJECT, RESERVED_FDS};
 
 /// An error of an object's own code (factory, alarm handler). It need not
 /// be `Send`: it never leaves the object's thread as a value.
