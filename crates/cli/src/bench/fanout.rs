@@ -6,8 +6,13 @@
 //! message at once. A producer enqueues the messages in calls of
 //! [`ENQUEUE_BATCH`] while the object delivers them in batches of
 //! [`DELIVERY_BATCH`]; the run ends when every (message, target) was acked.
-//! It runs twice: with `ack_on_return` (one commit acks a whole batch) and
-//! without (the consumer acks each message, one commit each).
+//! It runs with `ack_on_return` (one commit acks a whole batch; 100,000
+//! messages) and without (the consumer acks each message, one commit each;
+//! 20,000 messages, as each costs a commit of its own).
+//!
+//! Each part runs three rounds, the floor and the fanout taking turns, and
+//! keeps each one's best round: a machine busy with something else for a
+//! while then slows a round, not the figure.
 //!
 //! The floor does the fanout's row writes and reads in the same
 //! transactions (a batch's manifests and delivery rows, a claim per batch,
@@ -208,8 +213,7 @@ pub async fn produce_and_drain(
 
 /// Runs the `fanout` scenario.
 pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
-    let messages = env.size(100_000, 2_000);
-    let deliveries = messages * count(TARGETS.len());
+    let rounds = env.size(3, 1);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -223,28 +227,52 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         figures: Vec::new(),
         notes: vec![
             format!(
-                "{messages} messages x {} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host synchronous FULL",
+                "{} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host synchronous FULL",
                 TARGETS.len()
             ),
             "deliveries: (message, target) pairs acked per second, from the first enqueue to the last ack; enqueue: one call of 100 messages, as its caller waits for it".into(),
             "÷ floor: deliveries/s divided by raw rusqlite doing the same row writes in the same transactions (floor/…)".into(),
+            format!(
+                "best of {rounds} rounds each, floor and fanout taking turns; ack-each commits once per delivery, so it runs a fifth of the messages"
+            ),
         ],
     };
     for ack_on_return in [true, false] {
-        let mode = if ack_on_return {
-            "ack-on-return"
+        let (mode, messages) = if ack_on_return {
+            ("ack-on-return", env.size(100_000, 2_000))
         } else {
-            "ack-each"
+            ("ack-each", env.size(20_000, 500))
         };
-        let floor = floor(env, mode, messages, ack_on_return)?;
-        let drained = runtime.block_on(fanout_run(env, mode, messages, ack_on_return))?;
+        let deliveries = messages * count(TARGETS.len());
+        let mut best_floor: Option<Measurement> = None;
+        let mut best_fanout: Option<Drained> = None;
+        for _ in 0..rounds {
+            let floor = floor(env, mode, messages, ack_on_return)?;
+            if best_floor
+                .as_ref()
+                .is_none_or(|best| floor.elapsed < best.elapsed)
+            {
+                best_floor = Some(floor);
+            }
+            let drained = runtime.block_on(fanout_run(env, mode, messages, ack_on_return))?;
+            if best_fanout
+                .as_ref()
+                .is_none_or(|best| drained.elapsed < best.elapsed)
+            {
+                best_fanout = Some(drained);
+            }
+        }
+        let (Some(floor), Some(drained)) = (best_floor, best_fanout) else {
+            continue;
+        };
         let mut delivered = Measurement::new(
             format!("{mode}/deliveries"),
             "1 (message, target) acked",
             deliveries,
             drained.elapsed,
             &Latency::new()?,
-        );
+        )
+        .with("messages", messages);
         delivered.compare_with_floor(&floor);
         let enqueue = Measurement::new(
             format!("{mode}/enqueue"),
