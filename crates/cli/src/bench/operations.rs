@@ -125,48 +125,32 @@ async fn measure(
         stub.call(|_: Rc<OpsObject>| async {}).await?;
     }
     let stubs = Arc::new(stubs);
+    // One caller first: the latency of a registration itself, not of the
+    // queue 64 callers build in front of one object's commits.
+    let sequential = (total / 10).clamp(1, 1_000);
+    let calls = Arc::clone(&stubs);
+    let register_one = drive(
+        env,
+        &format!("{label}/register-1-caller"),
+        "1 call = register one operation, one caller",
+        sequential,
+        1,
+        move |i| register(Arc::clone(&calls), format!("seq-{i}"), i),
+    )
+    .await?;
+    wait_for_completions(env, &format!("{label}/drain"), sequential, &mut done).await?;
     let started = Instant::now();
     let calls = Arc::clone(&stubs);
-    let register = drive(
+    let concurrent = drive(
         env,
         &format!("{label}/register"),
         "1 call = register one operation (row + alarm committed)",
         total,
         CALLERS,
-        move |i| {
-            let calls = Arc::clone(&calls);
-            async move {
-                let stub = &calls[usize::try_from(i).unwrap_or(0) % calls.len().max(1)];
-                stub.call(move |object: Rc<OpsObject>| async move {
-                    object
-                        .operations
-                        .start("noop", &format!("op-{i}"), &())
-                        .await
-                        .map(|_| ())
-                        .map_err(|error| error.to_string())
-                })
-                .await?
-                .map_err(|message| BenchError::Task { message })
-            }
-        },
+        move |i| register(Arc::clone(&calls), format!("op-{i}"), i),
     )
     .await?;
-    let bar = env.progress(&format!("{label}/complete"), total);
-    let mut completed = 0;
-    while completed < total {
-        match tokio::time::timeout(COMPLETION_WAIT, done.recv()).await {
-            Ok(Some(())) => {
-                completed += 1;
-                bar.inc(1);
-            }
-            _ => {
-                return Err(BenchError::Task {
-                    message: format!("only {completed} of {total} operations completed"),
-                });
-            }
-        }
-    }
-    bar.finish_and_clear();
+    wait_for_completions(env, &format!("{label}/complete"), total, &mut done).await?;
     let mut end_to_end = Measurement {
         name: format!("{label}/end-to-end"),
         what: format!(
@@ -181,7 +165,44 @@ async fn measure(
     }
     .with("objects", count(stubs.len()));
     end_to_end.compare_with_floor(floor);
-    Ok(vec![register, end_to_end])
+    Ok(vec![register_one, concurrent, end_to_end])
+}
+
+/// Registers operation `id` on the stub that `i` picks.
+async fn register(stubs: Arc<Vec<Stub<OpsObject>>>, id: String, i: u64) -> Result<(), BenchError> {
+    let stub = &stubs[usize::try_from(i).unwrap_or(0) % stubs.len().max(1)];
+    stub.call(move |object: Rc<OpsObject>| async move {
+        object
+            .operations
+            .start("noop", &id, &())
+            .await
+            .map(|_| ())
+            .map_err(|error| error.to_string())
+    })
+    .await?
+    .map_err(|message| BenchError::Task { message })
+}
+
+/// Waits for `n` committed completions.
+async fn wait_for_completions(
+    env: &BenchEnv,
+    phase: &str,
+    n: u64,
+    done: &mut mpsc::UnboundedReceiver<()>,
+) -> Result<(), BenchError> {
+    let bar = env.progress(phase, n);
+    for completed in 0..n {
+        match tokio::time::timeout(COMPLETION_WAIT, done.recv()).await {
+            Ok(Some(())) => bar.inc(1),
+            _ => {
+                return Err(BenchError::Task {
+                    message: format!("only {completed} of {n} operations completed"),
+                });
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(())
 }
 
 /// The floor of one operation: its three commits done by raw SQLite, one
