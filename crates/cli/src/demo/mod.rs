@@ -206,6 +206,16 @@ async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
     let started = Instant::now();
     let opened = facts::open_run(&args.data_dir, args.messages, args.shards)?;
     let plan = opened.plan.clone();
+    if opened.resumed && (plan.messages, plan.shards) != (args.messages, args.shards) {
+        // Its messages are spread over its shards already: the plan stays.
+        eprintln!(
+            "run {} was interrupted; it is finished with its own plan ({} messages on {} \
+             shards), and --messages/--shards apply to the next run",
+            plan.run,
+            grouped(plan.messages),
+            plan.shards
+        );
+    }
     let before = Facts::read(&opened.paths)?;
     let counters = Arc::new(Counters::starting_from(
         &before,
