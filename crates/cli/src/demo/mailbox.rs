@@ -17,7 +17,7 @@
 //! reports success (a journal line, an archive or DLQ file), which is what
 //! the demo's accounting reads back.
 
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -309,7 +309,9 @@ impl Mailbox {
             })
             .build()?;
         let cleanup_scheduled = Rc::new(Cell::new(false));
-        let alarms: Rc<std::cell::OnceCell<Alarms>> = Rc::default();
+        // The cleanup handler re-arms itself through the `Alarms` it is
+        // part of, which exists only once the builder returns.
+        let alarms: Rc<OnceCell<Alarms>> = Rc::default();
         let built = Alarms::builder(&scheduler)
             .handler(CLEANUP, {
                 let cleanup = Cleanup {
@@ -501,7 +503,7 @@ struct Cleanup {
     scheduler: Scheduler,
     mail: Fanout<Mail>,
     operations: Operations,
-    alarms: Rc<std::cell::OnceCell<Alarms>>,
+    alarms: Rc<OnceCell<Alarms>>,
     scheduled: Rc<Cell<bool>>,
 }
 
