@@ -8,9 +8,10 @@
 //! connection; it never touches another object's file.
 
 use std::cell::{Cell, RefCell};
+use std::io::Write;
 use std::path::Path;
 use std::rc::Weak;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use durability_platform::{
     EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, ObjectId, Rollback, Row, Sql, Storage, StorageError,
@@ -96,6 +97,9 @@ impl ObjectStorage {
             std::fs::create_dir_all(dir).map_err(|e| StorageError::Unavailable {
                 message: format!("cannot create {}: {e}", dir.display()),
             })?;
+            if !path.exists() {
+                create_from_template(path, dir);
+            }
         }
         let conn = Connection::open_with_flags(
             path,
@@ -104,12 +108,14 @@ impl ObjectStorage {
                 | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )
         .map_err(storage_error)?;
+        // A no-op read on a file made from the template; a real switch (one
+        // rollback-journal transaction) only where the template was not used.
         conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(storage_error)?;
-        conn.pragma_update(None, "synchronous", synchronous.pragma())
             .map_err(storage_error)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
         let recorded = setup(&conn, &id, &namespace, name)?;
+        conn.pragma_update(None, "synchronous", synchronous.pragma())
+            .map_err(storage_error)?;
         let mut indexed = index.get(&id)?;
         if indexed != recorded.alarm {
             // The file is the truth: a crash between the two commits (or a
@@ -389,7 +395,17 @@ fn setup(
         });
     }
     let needs_name = name.is_some() && recorded.name.is_none();
+    // An existing file that records all it should is only read: no commit.
     if recorded_id.is_none() || recorded_namespace.is_none() || needs_name {
+        // Everything the host writes into a file is one transaction (tables,
+        // id, namespace, name), committed with synchronous=NORMAL: in WAL
+        // mode a power cut can lose that commit but never corrupt the file,
+        // and a lost setup is simply done again by the next open, since it
+        // only writes what is missing. The object's first durable commit
+        // (synchronous as configured, set after this) makes it durable too:
+        // one fsync of the WAL covers every frame before it.
+        conn.pragma_update(None, "synchronous", Synchronous::Normal.pragma())
+            .map_err(storage_error)?;
         let tx = conn.unchecked_transaction().map_err(storage_error)?;
         tx.execute_batch(SETUP_SQL).map_err(storage_error)?;
         let mut insert = tx
@@ -423,6 +439,80 @@ fn setup(
         })
         .map_err(storage_error)?;
     Ok(recorded)
+}
+
+/// The bytes of an empty object file already in WAL mode with the host's
+/// tables: made once per process by SQLite itself, in a scratch file.
+/// `None` if it could not be made; new files are then created by SQLite.
+static TEMPLATE: OnceLock<Option<Vec<u8>>> = OnceLock::new();
+
+/// Creates the new file of an object from [`TEMPLATE`], best effort.
+///
+/// Why: SQLite creates a file in rollback-journal mode, and switching it to
+/// WAL is a journaled transaction of its own (four fsyncs, with the journal
+/// and its directory). A copy of a file that is already in WAL mode with the
+/// host tables costs one fsync. The copy is written to a scratch name,
+/// synced, then linked under the object's name, so the object's name never
+/// shows a partial file, and an existing file is never replaced (the link
+/// fails). Any failure leaves the creation to SQLite, as before.
+fn create_from_template(path: &Path, dir: &Path) {
+    let Some(template) = TEMPLATE.get_or_init(|| make_template(dir)) else {
+        return;
+    };
+    let scratch = path.with_extension("sqlite-new");
+    let written = std::fs::File::create(&scratch).and_then(|mut file| {
+        file.write_all(template)?;
+        // The link may reach the disk before the bytes would: sync first.
+        // The directory itself is synced by SQLite when it creates the WAL,
+        // before the object's first commit returns.
+        file.sync_all()
+    });
+    let linked = written.and_then(|()| std::fs::hard_link(&scratch, path));
+    if let Err(error) = linked
+        && error.kind() != std::io::ErrorKind::AlreadyExists
+    {
+        tracing::debug!(path = %path.display(), %error, "new object file not made from the template");
+    }
+    let _ = std::fs::remove_file(&scratch);
+}
+
+/// Makes the template with SQLite in a scratch file of `dir`.
+fn make_template(dir: &Path) -> Option<Vec<u8>> {
+    let mut suffix = [0u8; 8];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut suffix);
+    let scratch = dir.join(format!(
+        "template-{}-{:016x}.sqlite-new",
+        std::process::id(),
+        u64::from_le_bytes(suffix)
+    ));
+    let made = (|| -> Result<Vec<u8>, String> {
+        let conn = Connection::open(&scratch).map_err(|e| e.to_string())?;
+        // A scratch file read back at once: no fsync needed.
+        conn.pragma_update(None, "synchronous", "OFF")
+            .and_then(|()| conn.pragma_update(None, "journal_mode", "WAL"))
+            .and_then(|()| conn.execute_batch(SETUP_SQL))
+            .map_err(|e| e.to_string())?;
+        // Closing the last connection checkpoints the WAL into the file.
+        conn.close().map_err(|(_, e)| e.to_string())?;
+        let bytes = std::fs::read(&scratch).map_err(|e| e.to_string())?;
+        // Bytes 18 and 19 of the header are 2 in WAL mode (SQLite file format).
+        if bytes.get(18..20) != Some(&[2, 2]) {
+            return Err("the template is not in WAL mode".into());
+        }
+        Ok(bytes)
+    })();
+    for suffix in ["", "-wal", "-shm"] {
+        let mut path = scratch.clone().into_os_string();
+        path.push(suffix);
+        let _ = std::fs::remove_file(path);
+    }
+    match made {
+        Ok(bytes) => Some(bytes),
+        Err(error) => {
+            tracing::warn!(%error, "no template for new object files; SQLite creates them");
+            None
+        }
+    }
 }
 
 fn read_meta(conn: &Connection) -> rusqlite::Result<Vec<(String, String)>> {

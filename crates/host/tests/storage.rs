@@ -251,3 +251,63 @@ async fn the_host_clock_moves_with_paused_tokio_time() {
     })
     .await;
 }
+
+/// An object whose factory writes nothing: every commit in its file is the
+/// host's own.
+struct Quiet;
+
+impl durability_host::DurableObject for Quiet {}
+
+/// The commits in `file`'s write-ahead log: frames whose header carries a
+/// database size, the SQLite file format's mark of a commit frame (a WAL
+/// header is 32 bytes, a frame header 24, the page size is at byte 8).
+fn wal_commits(file: &std::path::Path) -> usize {
+    let mut wal = file.as_os_str().to_owned();
+    wal.push("-wal");
+    let bytes = std::fs::read(wal).unwrap_or_default();
+    let Some(page_size) = bytes.get(8..12) else {
+        return 0;
+    };
+    let page_size = u32::from_be_bytes(page_size.try_into().unwrap()) as usize;
+    let mut commits = 0;
+    let mut frame = 32;
+    while let Some(header) = bytes.get(frame..frame + 24) {
+        if header[4..8] != [0, 0, 0, 0] {
+            commits += 1;
+        }
+        frame += 24 + page_size;
+    }
+    commits
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_object_file_is_set_up_in_one_commit_and_reopening_it_commits_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let quiet = host.namespace("quiet", |_ctx| Ok(Quiet)).unwrap();
+        let stub = quiet.stub("one commit").unwrap();
+        let file = host.object_file(stub.id());
+        stub.call(|_q: Rc<Quiet>| async {}).await.unwrap();
+        // Tables, id, namespace and name: one transaction.
+        assert_eq!(wal_commits(&file), 1);
+        host.evict(stub.id()).await.unwrap();
+        stub.call(|_q: Rc<Quiet>| async {}).await.unwrap();
+        assert_eq!(wal_commits(&file), 0, "an existing file is only read");
+        host.shutdown().await;
+    })
+    .await;
+    // The file was made from the template under a scratch name: none stays.
+    let scratch: Vec<_> = std::fs::read_dir(dir.path().join("objects"))
+        .unwrap()
+        .flat_map(|shard| std::fs::read_dir(shard.unwrap().path()).unwrap())
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with("-new"))
+        .collect();
+    assert_eq!(scratch, Vec::<String>::new());
+    let listed = durability_host::inspect::list_objects(dir.path()).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].namespace.as_deref(), Some("quiet"));
+    assert_eq!(listed[0].name.as_deref(), Some("one commit"));
+    assert_eq!(listed[0].error, None);
+}
