@@ -324,7 +324,13 @@ impl DeadLetters {
                     if round == 1 {
                         journal.borrow_mut().append(&[format!("W {entry}")]);
                         println!("{DLQ_STARTED_MARK}");
-                        std::future::pending::<()>().await;
+                        // Block the thread, not just this task: on paused
+                        // time an idle runtime would jump ahead to the 60 s
+                        // infrastructure retry and write again before the
+                        // parent's SIGKILL lands.
+                        loop {
+                            std::thread::park();
+                        }
                     }
                     journal.borrow_mut().append(&[format!("L {entry}")]);
                     Ok::<_, HandlerError>(())
