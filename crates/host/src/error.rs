@@ -49,6 +49,16 @@ pub enum HostError {
         /// The operating system's reason.
         message: String,
     },
+    /// Another host (in this or another process) serves this data
+    /// directory. Two hosts on one directory would both run the same
+    /// objects and alarms; the second one is refused.
+    #[error("the data directory {path} is in use by another host (lock file {lock})")]
+    DataDirInUse {
+        /// The data directory.
+        path: PathBuf,
+        /// The lock file the other host holds.
+        lock: PathBuf,
+    },
     /// The host's alarm index or an object's database failed.
     #[error(transparent)]
     Storage(#[from] StorageError),

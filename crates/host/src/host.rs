@@ -2,12 +2,13 @@
 //! threads use to reach objects.
 
 use std::collections::HashMap;
+use std::fs::{File, TryLockError};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use durability_platform::{EpochMs, MAX_SAFE_INTEGER, ObjectId};
@@ -61,6 +62,9 @@ pub(crate) struct HostCore {
     pub(crate) residency: Arc<Residency>,
     pub(crate) shutting_down: AtomicBool,
     namespaces: RwLock<HashMap<String, Constructor>>,
+    /// The exclusive lock on [`DATA_DIR_LOCK_FILE`], held from build until
+    /// shutdown ends (or the process dies: the OS releases it then).
+    lock: Mutex<Option<File>>,
 }
 
 impl HostCore {
@@ -261,6 +265,7 @@ impl HostBuilder {
             path: self.data_dir.clone(),
             message: e.to_string(),
         })?;
+        let lock = lock_data_dir(&self.data_dir)?;
         let index = Arc::new(AlarmIndex::open(&self.data_dir, self.synchronous)?);
         let alarms = index.all()?;
         let core = Arc::new(HostCore {
@@ -273,6 +278,7 @@ impl HostBuilder {
             residency: Arc::new(Residency::new(max_live_objects)),
             shutting_down: AtomicBool::new(false),
             namespaces: RwLock::new(HashMap::new()),
+            lock: Mutex::new(Some(lock)),
         });
         let executors = if threads == 0 {
             vec![start_inline(&core)?]
@@ -296,6 +302,33 @@ impl HostBuilder {
         };
         host.load_alarms(alarms);
         Ok(host)
+    }
+}
+
+/// The file in a data directory that the serving host holds an exclusive
+/// lock on.
+pub const DATA_DIR_LOCK_FILE: &str = "host.lock";
+
+/// Takes the data directory's exclusive lock, or says who holds it.
+fn lock_data_dir(data_dir: &Path) -> Result<File, HostError> {
+    let path = data_dir.join(DATA_DIR_LOCK_FILE);
+    let io_error = |e: std::io::Error| HostError::Io {
+        path: path.clone(),
+        message: e.to_string(),
+    };
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_error)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(TryLockError::WouldBlock) => Err(HostError::DataDirInUse {
+            path: data_dir.to_path_buf(),
+            lock: path.clone(),
+        }),
+        Err(TryLockError::Error(e)) => Err(io_error(e)),
     }
 }
 
@@ -414,6 +447,10 @@ impl Host {
         }
         for ack in acks {
             let _ = ack.await;
+        }
+        // Every executor closed its objects: another host may take over.
+        if let Ok(mut lock) = shared.core.lock.lock() {
+            lock.take();
         }
     }
 

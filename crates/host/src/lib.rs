@@ -39,8 +39,8 @@ pub use durability_platform::{AlarmInfo, ObjectId};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
 pub use host::{
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder, MAX_THREADS, Namespace, Stub,
-    Synchronous,
+    DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
+    MAX_THREADS, Namespace, Stub, Synchronous,
 };
 pub use id::MAX_NAME_BYTES;
 pub use residency::{DEFAULT_MAX_LIVE_OBJECTS_CEILING, FDS_PER_LIVE_OBJECT, RESERVED_FDS};

@@ -360,3 +360,45 @@ async fn an_inline_host_outside_a_local_set_is_a_typed_error() {
         Err(durability_host::HostError::NoRuntime { .. })
     ));
 }
+
+#[tokio::test]
+async fn a_second_host_on_a_served_data_directory_is_refused_until_the_first_shuts_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Host::builder(dir.path()).threads(1).build().unwrap();
+    let second = Host::builder(dir.path()).threads(1).build();
+    assert!(
+        matches!(second, Err(durability_host::HostError::DataDirInUse { .. })),
+        "two hosts would run the same objects and alarms"
+    );
+    first.shutdown().await;
+    let after = Host::builder(dir.path()).threads(1).build().unwrap();
+    after.shutdown().await;
+}
+
+#[test]
+fn a_host_in_another_process_holds_the_directory_until_it_dies() {
+    // The lock is the OS's: a killed process releases it, a live one keeps
+    // it from every other process.
+    let dir = tempfile::tempdir().unwrap();
+    let lock = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.path().join(durability_host::DATA_DIR_LOCK_FILE))
+        .unwrap();
+    lock.lock().unwrap();
+    let refused = Host::builder(dir.path()).threads(1).build();
+    assert!(matches!(
+        refused,
+        Err(durability_host::HostError::DataDirInUse { .. })
+    ));
+    drop(lock);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let host = Host::builder(dir.path()).threads(1).build().unwrap();
+        host.shutdown().await;
+    });
+}
