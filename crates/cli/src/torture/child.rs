@@ -85,6 +85,7 @@ async fn run_life<W: Workload>(host: &Host, life: &Life) -> Result<Ending, Tortu
         seed: life.seed,
         life: life.index,
         items: life.items,
+        files: life.files.clone(),
     };
     let namespace = host.namespace(&format!("torture-{}", W::NAME), move |ctx| {
         W::construct(ctx, &env)

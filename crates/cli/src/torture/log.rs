@@ -15,14 +15,26 @@
 //! - cursors never go back: no page starts below a journaled commit, and no
 //!   stored cursor is behind one (a regression counts as a stale
 //!   settlement).
+//!
+//! The producer also trims after every append, with a small retention and
+//! cold segments in a directory, so kills land between a segment's write,
+//! its index row and the hot delete. The checker reads the hot table and
+//! every indexed segment file together: each offset from 0 to the end must
+//! be readable in one of them, copies of an offset (hot and cold after a
+//! kill before the delete) must agree, and a key must never be stored at
+//! two offsets.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::Duration;
 
 use durability::Scheduler;
-use durability::log::{AppendRecord, Appended, Log, Read};
+use durability::log::{
+    AppendRecord, Appended, ColdError, ColdStorage, Log, Read, Retention, Segment,
+};
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext};
+use durability_platform::{Context as _, LocalBoxFuture};
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +55,60 @@ const HANDLE_MAX_MS: u64 = 10;
 /// The consumers of every partition and their page sizes: different, so
 /// their cursors move at different paces.
 const CONSUMERS: [(&str, u32); 2] = [("reader-a", 7), ("reader-b", 3)];
+
+/// The log's largest batch (append and read page), in records: above
+/// [`MAX_BATCH`] so every append fits.
+const LOG_MAX_BATCH_RECORDS: u32 = 8;
+
+/// Records that stay hot: small, so nearly every append is followed by a
+/// trim that flushes a segment, and consumers read from cold segments.
+const RETAINED_HOT_RECORDS: u64 = 6;
+
+/// Cold segments as files in one directory per object, the way the
+/// `log_cold` example keeps them: named by both offsets, an existing file
+/// kept (a rewrite after a kill between write and index is harmless), and a
+/// file appears only whole (temporary name, fsync, rename).
+struct DirectoryCold {
+    dir: PathBuf,
+}
+
+/// The file name of a segment, also its locator.
+fn segment_file(first_offset: u64, last_offset: u64) -> String {
+    format!("{first_offset:020}-{last_offset:020}.json")
+}
+
+impl ColdStorage for DirectoryCold {
+    fn write<'a>(&'a self, segment: &'a Segment) -> LocalBoxFuture<'a, Result<String, ColdError>> {
+        Box::pin(async move {
+            let locator = segment_file(segment.first_offset, segment.last_offset);
+            let path = self.dir.join(&locator);
+            if !path.exists() {
+                std::fs::create_dir_all(&self.dir)?;
+                let temporary = self.dir.join(format!("{locator}.tmp"));
+                std::fs::write(&temporary, segment.to_json()?)?;
+                std::fs::File::open(&temporary)?.sync_all()?;
+                std::fs::rename(&temporary, &path)?;
+                // The rename is durable only once the directory is synced;
+                // the index row that follows must never point at nothing.
+                std::fs::File::open(&self.dir)?.sync_all()?;
+            }
+            Ok(locator)
+        })
+    }
+
+    fn read<'a>(
+        &'a self,
+        locator: &'a str,
+    ) -> LocalBoxFuture<'a, Result<Option<Segment>, ColdError>> {
+        Box::pin(async move {
+            match std::fs::read(self.dir.join(locator)) {
+                Ok(bytes) => Segment::from_json(&bytes).map(Some),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(error) => Err(error.into()),
+            }
+        })
+    }
+}
 
 pub struct LogWorkload;
 
@@ -127,13 +193,19 @@ fn block_of(item: u64) -> u64 {
 
 impl Workload for LogWorkload {
     const NAME: &'static str = "log";
-    const ABOUT: &'static str =
-        "retained log: keyed batch appends, two consumers with cursors, dense offsets";
+    const ABOUT: &'static str = "retained log: keyed batch appends, trims to cold segments, two consumers with cursors, dense offsets";
     type Object = Partition;
 
-    fn construct(ctx: ObjectContext, _env: &HandlerEnv) -> Result<Partition, BoxError> {
+    fn construct(ctx: ObjectContext, env: &HandlerEnv) -> Result<Partition, BoxError> {
+        let cold = DirectoryCold {
+            dir: env.files.cold().join(ctx.id().to_string()),
+        };
         let scheduler = Scheduler::new(ctx.into_dyn())?;
-        let log = Log::<Body>::builder(&scheduler).build()?;
+        let log = Log::<Body>::builder(&scheduler)
+            .max_batch_size(LOG_MAX_BATCH_RECORDS)
+            .retention(Retention::new().max_records(RETAINED_HOT_RECORDS))
+            .cold(Rc::new(cold))
+            .build()?;
         Ok(Partition { scheduler, log })
     }
 
@@ -199,6 +271,10 @@ impl Workload for LogWorkload {
                 },
             };
             produced.append(&fact)?;
+            // A separate call: a kill may land before, inside (between the
+            // segment write, its index row and the hot delete) or after it.
+            stub.call(|partition: Rc<Partition>| async move { partition.log.trim().await })
+                .await??;
             Life::pace(&mut rng).await;
         }
         Ok(())
@@ -305,9 +381,10 @@ impl Workload for LogWorkload {
             let segments = run.rows(
                 entry,
                 "durability_log_segments",
-                "SELECT count(*) FROM durability_log_segments",
-                |row| row.get::<_, i64>(0),
+                "SELECT first_offset, last_offset, locator FROM durability_log_segments ORDER BY first_offset",
+                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?, row.get::<_, String>(2)?)),
             )?;
+            let (cold, cold_problems) = read_segments(&run.files.cold().join(&entry.id), &segments);
             stored.insert(
                 entry.id.clone(),
                 StoredLog {
@@ -326,7 +403,8 @@ impl Workload for LogWorkload {
                         .into_iter()
                         .map(|(c, o)| (c, u64::try_from(o).unwrap_or(u64::MAX)))
                         .collect(),
-                    cold_segments: segments.first().copied().unwrap_or(0),
+                    cold,
+                    cold_problems,
                 },
             );
         }
@@ -339,10 +417,54 @@ impl Workload for LogWorkload {
 /// One partition's log as the checker reads it.
 #[derive(Debug, Default)]
 struct StoredLog {
+    /// The hot records, ascending by offset.
     records: Vec<StoredRecord>,
     next_offset: Option<u64>,
     cursors: HashMap<String, u64>,
-    cold_segments: i64,
+    /// The records of every indexed cold segment, as their files hold them.
+    cold: Vec<StoredRecord>,
+    /// Indexed segments that cannot be read or do not match their index row.
+    cold_problems: Vec<String>,
+}
+
+/// Reads every indexed segment `(first, last, locator)` from `dir`: their
+/// records, and what is wrong with any that is missing, unreadable or does
+/// not hold exactly the offsets its index row says.
+fn read_segments(
+    dir: &std::path::Path,
+    index: &[(i64, i64, String)],
+) -> (Vec<StoredRecord>, Vec<String>) {
+    let mut records = Vec::new();
+    let mut problems = Vec::new();
+    for (first, last, locator) in index {
+        let segment = std::fs::read(dir.join(locator))
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| Segment::from_json(&bytes).map_err(|e| e.to_string()));
+        let segment = match segment {
+            Ok(segment) => segment,
+            Err(error) => {
+                problems.push(format!(
+                    "segment {locator} ({first}..={last}) cannot be read: {error}"
+                ));
+                continue;
+            }
+        };
+        let offsets: Vec<u64> = segment.records.iter().map(|r| r.offset).collect();
+        let expected: Vec<u64> = (segment.first_offset..=segment.last_offset).collect();
+        let indexed = i64::try_from(segment.first_offset).ok() == Some(*first)
+            && i64::try_from(segment.last_offset).ok() == Some(*last);
+        if offsets != expected || !indexed {
+            problems.push(format!(
+                "segment {locator} is indexed as {first}..={last} but holds offsets {offsets:?}"
+            ));
+        }
+        records.extend(segment.records.into_iter().map(|r| StoredRecord {
+            offset: r.offset,
+            key: r.deduplication_key,
+            item: serde_json::from_value::<Body>(r.body).ok().map(|b| b.item),
+        }));
+    }
+    (records, problems)
 }
 
 #[derive(Debug)]
@@ -476,22 +598,70 @@ fn check_facts(
     // The final logs: dense, holding every accepted record, cursors at the
     // end and never behind a journaled commit.
     let mut records_stored = 0_u64;
+    let mut records_cold = 0_u64;
+    let mut hot_and_cold = 0_u64;
+    // Every readable copy of each offset, hot or cold, by object.
+    let mut readable: BTreeMap<&str, BTreeMap<u64, Vec<&StoredRecord>>> = BTreeMap::new();
     for (object, log) in stored {
-        records_stored += log.records.len() as u64;
-        for (index, record) in log.records.iter().enumerate() {
-            if record.offset != index as u64 {
+        let copies = readable.entry(object.as_str()).or_default();
+        for record in log.records.iter().chain(&log.cold) {
+            copies.entry(record.offset).or_default().push(record);
+        }
+        records_stored += copies.len() as u64;
+        records_cold += log.cold.len() as u64;
+        for problem in &log.cold_problems {
+            tally.flag(
+                Violation::Broken("unreadable_cold_segments"),
+                format!("{}: {problem}", short(object)),
+            );
+        }
+        // Offsets are dense over hot and cold together: 0 .. end, each
+        // readable somewhere (nothing is ever forgotten in this workload).
+        for (index, &offset) in copies.keys().enumerate() {
+            if offset != index as u64 {
                 tally.flag(
                     Violation::Broken("offset_gaps"),
                     format!(
-                        "{}: offset {} is stored where {index} belongs",
-                        short(object),
-                        record.offset
+                        "{}: offset {offset} is stored where {index} belongs",
+                        short(object)
                     ),
                 );
                 break;
             }
         }
-        let end = log.records.len() as u64;
+        // A kill between a segment's index row and the hot delete leaves
+        // both copies; they must be the same record.
+        let mut offset_of_key: HashMap<&str, u64> = HashMap::new();
+        for (&offset, versions) in copies.iter() {
+            if versions.len() > 1 {
+                hot_and_cold += 1;
+            }
+            if let Some(first) = versions.first() {
+                if versions
+                    .iter()
+                    .any(|v| v.key != first.key || v.item != first.item)
+                {
+                    tally.flag(
+                        Violation::Broken("duplicated_records"),
+                        format!(
+                            "{}: offset {offset} is stored as different records: {versions:?}",
+                            short(object)
+                        ),
+                    );
+                }
+                if let Some(other) = offset_of_key.insert(first.key.as_str(), offset) {
+                    tally.flag(
+                        Violation::Broken("duplicated_records"),
+                        format!(
+                            "{}: {} is stored at offsets {other} and {offset}",
+                            short(object),
+                            first.key
+                        ),
+                    );
+                }
+            }
+        }
+        let end = copies.len() as u64;
         if log.next_offset != Some(end) && !(log.next_offset.is_none() && end == 0) {
             tally.flag(
                 Violation::Broken("offset_gaps"),
@@ -499,16 +669,6 @@ fn check_facts(
                     "{}: the log ends at {:?} but holds {end} records",
                     short(object),
                     log.next_offset
-                ),
-            );
-        }
-        if log.cold_segments != 0 {
-            tally.flag(
-                Violation::Broken("unexpected_cold_segments"),
-                format!(
-                    "{}: {} cold segments without retention",
-                    short(object),
-                    log.cold_segments
                 ),
             );
         }
@@ -525,7 +685,7 @@ fn check_facts(
                 );
             }
         }
-        for record in &log.records {
+        for record in log.records.iter().chain(&log.cold) {
             if !accepted.contains_key(&(object.clone(), record.key.clone())) {
                 tally.flag(
                     Violation::Broken("unaccounted_records"),
@@ -540,16 +700,18 @@ fn check_facts(
         }
     }
     tally.detail("records_stored", records_stored);
+    tally.detail("records_cold", records_cold);
+    tally.detail("records_hot_and_cold", hot_and_cold);
 
     let mut completed = 0_u64;
     for ((object, key), &(item, offset)) in &accepted {
-        let record = stored.get(object).and_then(|log| {
-            log.records
-                .get(usize::try_from(offset).unwrap_or(usize::MAX))
-        });
-        let readable =
+        let record = readable
+            .get(object.as_str())
+            .and_then(|copies| copies.get(&offset))
+            .and_then(|versions| versions.first());
+        let is_readable =
             record.is_some_and(|r| r.offset == offset && &r.key == key && r.item == Some(item));
-        if !readable {
+        if !is_readable {
             tally.flag(
                 Violation::Lost,
                 format!("{key} (item {item}) is not readable at its offset {offset}: {record:?}"),
@@ -642,7 +804,8 @@ mod tests {
                 .iter()
                 .map(|(c, _)| ((*c).to_owned(), cursor))
                 .collect(),
-            cold_segments: 0,
+            cold: Vec::new(),
+            cold_problems: Vec::new(),
         };
         BTreeMap::from([("o".to_owned(), log)])
     }
@@ -701,6 +864,115 @@ mod tests {
             tally.examples()
         );
         assert!(tally.lost >= 1);
+    }
+
+    /// Moves the records below `hot_from` of the one log to cold storage,
+    /// keeping `overlap` of them hot as well (a kill before the delete).
+    fn trimmed(
+        mut stored: BTreeMap<String, StoredLog>,
+        hot_from: u64,
+        overlap: u64,
+    ) -> BTreeMap<String, StoredLog> {
+        if let Some(log) = stored.get_mut("o") {
+            let records = std::mem::take(&mut log.records);
+            for record in records {
+                if record.offset < hot_from {
+                    if record.offset + overlap >= hot_from {
+                        log.records.push(StoredRecord {
+                            offset: record.offset,
+                            key: record.key.clone(),
+                            item: record.item,
+                        });
+                    }
+                    log.cold.push(record);
+                } else {
+                    log.records.push(record);
+                }
+            }
+            log.records.sort_by_key(|r| r.offset);
+        }
+        stored
+    }
+
+    #[test]
+    fn records_trimmed_to_cold_segments_stay_readable() {
+        let produced = [appended(&[(0, 0), (1, 1), (2, 2)])];
+        let stored = trimmed(log_of(&[0, 1, 2], 3), 2, 1);
+        let tally = check_facts(
+            &produced,
+            &both_read(0, &[0, 1, 2]),
+            &stored,
+            Tally::default(),
+        );
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.completed, 3);
+    }
+
+    #[test]
+    fn a_record_neither_hot_nor_cold_is_lost() {
+        let produced = [appended(&[(0, 0), (1, 1), (2, 2)])];
+        let mut stored = trimmed(log_of(&[0, 1, 2], 3), 2, 0);
+        if let Some(log) = stored.get_mut("o") {
+            log.cold.retain(|r| r.offset != 1);
+        }
+        let tally = check_facts(
+            &produced,
+            &both_read(0, &[0, 1, 2]),
+            &stored,
+            Tally::default(),
+        );
+        assert_eq!(tally.lost, 1, "{:?}", tally.examples());
+        assert!(tally.broken.contains_key("offset_gaps"));
+    }
+
+    #[test]
+    fn a_cold_copy_that_differs_from_the_hot_one_is_a_duplicated_record() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let mut stored = trimmed(log_of(&[0, 1], 2), 1, 1);
+        if let Some(log) = stored.get_mut("o")
+            && let Some(record) = log.cold.first_mut()
+        {
+            record.key = key_of(7);
+        }
+        let tally = check_facts(&produced, &both_read(0, &[0, 1]), &stored, Tally::default());
+        assert!(
+            tally.broken.contains_key("duplicated_records"),
+            "{:?}",
+            tally.examples()
+        );
+    }
+
+    #[test]
+    fn a_key_stored_at_two_offsets_is_a_duplicated_record() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let mut stored = trimmed(log_of(&[0, 1], 2), 1, 0);
+        if let Some(log) = stored.get_mut("o")
+            && let Some(record) = log.records.first_mut()
+        {
+            record.key = key_of(0);
+            record.item = Some(0);
+        }
+        let tally = check_facts(&produced, &both_read(0, &[0, 1]), &stored, Tally::default());
+        assert!(
+            tally.broken.contains_key("duplicated_records"),
+            "{:?}",
+            tally.examples()
+        );
+    }
+
+    #[test]
+    fn an_indexed_segment_that_cannot_be_read_is_flagged() {
+        let dir = std::env::temp_dir().join("durability-torture-no-such-segments");
+        let (records, problems) = read_segments(&dir, &[(0, 4, segment_file(0, 4))]);
+        assert!(records.is_empty());
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        let produced = [appended(&[(0, 0)])];
+        let mut stored = log_of(&[0], 1);
+        if let Some(log) = stored.get_mut("o") {
+            log.cold_problems = problems;
+        }
+        let tally = check_facts(&produced, &both_read(0, &[0]), &stored, Tally::default());
+        assert_eq!(tally.broken.get("unreadable_cold_segments"), Some(&1));
     }
 
     #[test]

@@ -131,6 +131,12 @@ impl Files {
     pub fn marker(&self) -> PathBuf {
         self.dir.join("torture-run")
     }
+
+    /// Where the log workload's objects flush their cold segments, one
+    /// sub-directory per object id.
+    pub fn cold(&self) -> PathBuf {
+        self.dir.join("cold")
+    }
 }
 
 /// One life of the child process.
@@ -355,6 +361,9 @@ pub struct HandlerEnv {
     pub seed: u64,
     pub life: u32,
     pub items: u64,
+    /// The run's files, for objects that keep data outside their database
+    /// (the log's cold segments).
+    pub files: Files,
 }
 
 /// How long an attempt the script makes slow takes: longer than any attempt
