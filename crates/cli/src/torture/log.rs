@@ -16,6 +16,15 @@
 //!   stored cursor is behind one (a regression counts as a stale
 //!   settlement).
 //!
+//! A third consumer, `leased`, takes ranges with `lease`, then acks, nacks
+//! or abandons them (waiting past the lease and leasing the range again, so
+//! its late ack must be fenced). It journals each lease, its intent to
+//! settle and the settlement with the cursor right after it. The checker
+//! verifies that no range is handed out while an overlapping one is live
+//! and unsettled, that no offset is acked by two batches, that a fenced
+//! batch's ack is refused, and that the cursor never passes an offset no
+//! ack was attempted for.
+//!
 //! The producer also trims after every append, with a small retention and
 //! cold segments in a directory, so kills land between a segment's write,
 //! its index row and the hot delete. The checker reads the hot table and
@@ -31,10 +40,11 @@ use std::time::Duration;
 
 use durability::Scheduler;
 use durability::log::{
-    AppendRecord, Appended, ColdError, ColdStorage, Log, Read, Retention, Segment,
+    AppendRecord, Appended, ColdError, ColdStorage, Lease, Leases, Log, LogError, Read, Retention,
+    Segment,
 };
-use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext};
-use durability_platform::{Context as _, LocalBoxFuture};
+use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
+use durability_platform::{Context as _, EpochMs, LocalBoxFuture};
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
@@ -55,6 +65,27 @@ const HANDLE_MAX_MS: u64 = 10;
 /// The consumers of every partition and their page sizes: different, so
 /// their cursors move at different paces.
 const CONSUMERS: [(&str, u32); 2] = [("reader-a", 7), ("reader-b", 3)];
+
+/// The consumer that shares its name between leased ranges.
+const LEASED_CONSUMER: &str = "leased";
+
+/// How long a leased range is held, in milliseconds: short, so ranges a
+/// kill abandoned come back soon and abandoning one in a pass is cheap.
+const LEASE_MS: u64 = 40;
+
+/// Ranges of the leased consumer live at once.
+const MAX_LIVE_RANGES: u32 = 3;
+
+/// Ranges the leased consumer takes per object and pass.
+const RANGES_PER_PASS: usize = 2;
+
+/// Records per leased range.
+const LEASE_LIMIT_RECORDS: u32 = 4;
+
+/// Per cent of leased ranges abandoned past their lease (then reclaimed,
+/// and the stale ack tried), and per cent nacked.
+const ABANDON_PERCENT: u64 = 15;
+const NACK_PERCENT: u64 = 15;
 
 /// The log's largest batch (append and read page), in records: above
 /// [`MAX_BATCH`] so every append fits.
@@ -180,6 +211,170 @@ enum Handled {
         offset: u64,
         life: u32,
     },
+    /// The leased consumer got a range (stored before it was returned).
+    Leased {
+        object: String,
+        batch_id: String,
+        first: u64,
+        last: u64,
+        attempt: u32,
+        expires_at: EpochMs,
+        /// (offset, key) of each record, in range order.
+        records: Vec<(u64, String)>,
+        life: u32,
+    },
+    /// The leased consumer is about to ack (or nack) a range: journaled
+    /// before the call, so a kill after the ack committed cannot hide it.
+    Settling {
+        object: String,
+        batch_id: String,
+        first: u64,
+        last: u64,
+        ack: bool,
+        life: u32,
+    },
+    /// The ack (or nack) returned: `held` is false when it was refused as
+    /// fenced; `cursor` is the consumer's cursor read in the same call.
+    Settled {
+        object: String,
+        batch_id: String,
+        first: u64,
+        last: u64,
+        ack: bool,
+        held: bool,
+        cursor: u64,
+        life: u32,
+    },
+}
+
+/// What the leased consumer keeps of a lease to settle it.
+#[derive(Debug, Clone)]
+struct Held {
+    batch_id: String,
+    first: u64,
+    last: u64,
+}
+
+/// Leases the next range of `stub`'s log and journals it.
+async fn lease_range(
+    stub: &Stub<Partition>,
+    handled: &Journal,
+    life: u32,
+) -> Result<Option<Held>, TortureError> {
+    let lease = stub
+        .call(|partition: Rc<Partition>| async move {
+            partition
+                .log
+                .lease(LEASED_CONSUMER, Some(LEASE_LIMIT_RECORDS))
+                .await
+        })
+        .await??;
+    let Some(lease): Option<Lease<Body>> = lease else {
+        return Ok(None);
+    };
+    handled.append(&Handled::Leased {
+        object: stub.id().to_string(),
+        batch_id: lease.batch_id.clone(),
+        first: lease.first_offset,
+        last: lease.last_offset,
+        attempt: lease.attempt,
+        expires_at: lease.expires_at,
+        records: lease
+            .records
+            .iter()
+            .map(|r| (r.offset, r.key.clone()))
+            .collect(),
+        life,
+    })?;
+    Ok(Some(Held {
+        batch_id: lease.batch_id,
+        first: lease.first_offset,
+        last: lease.last_offset,
+    }))
+}
+
+/// Acks or nacks `held`, journaling the intent before and the outcome (with
+/// the cursor) after.
+async fn settle_range(
+    stub: &Stub<Partition>,
+    handled: &Journal,
+    held: &Held,
+    ack: bool,
+    life: u32,
+) -> Result<(), TortureError> {
+    let object = stub.id().to_string();
+    handled.append(&Handled::Settling {
+        object: object.clone(),
+        batch_id: held.batch_id.clone(),
+        first: held.first,
+        last: held.last,
+        ack,
+        life,
+    })?;
+    let batch_id = held.batch_id.clone();
+    let (is_held, cursor) = stub
+        .call(move |partition: Rc<Partition>| async move {
+            let settled = if ack {
+                partition.log.ack(LEASED_CONSUMER, &batch_id).await
+            } else {
+                partition.log.nack(LEASED_CONSUMER, &batch_id).await
+            };
+            let is_held = match settled {
+                Ok(()) => true,
+                Err(LogError::LeaseNotHeld { .. }) => false,
+                Err(error) => return Err(error),
+            };
+            let cursor = partition.log.cursor(LEASED_CONSUMER).await?.unwrap_or(0);
+            Ok::<_, LogError>((is_held, cursor))
+        })
+        .await??;
+    handled.append(&Handled::Settled {
+        object,
+        batch_id: held.batch_id.clone(),
+        first: held.first,
+        last: held.last,
+        ack,
+        held: is_held,
+        cursor,
+        life,
+    })?;
+    Ok(())
+}
+
+/// One pass of the leased consumer over `stub`'s log; returns whether it
+/// leased anything.
+async fn consume_leased(
+    stub: &Stub<Partition>,
+    handled: &Journal,
+    life: &Life,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<bool, TortureError> {
+    let mut leases = Vec::with_capacity(RANGES_PER_PASS);
+    for _ in 0..RANGES_PER_PASS {
+        match lease_range(stub, handled, life.index).await? {
+            Some(held) => leases.push(held),
+            None => break,
+        }
+    }
+    let worked = !leases.is_empty();
+    for held in leases {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..=HANDLE_MAX_MS))).await;
+        let roll = rng.random_range(0..100_u64);
+        if roll < ABANDON_PERCENT {
+            // Past the lease the range is owed redelivery; leasing again
+            // reclaims it under a new batch id, which must fence this one.
+            tokio::time::sleep(Duration::from_millis(LEASE_MS + 5)).await;
+            let again = lease_range(stub, handled, life.index).await?;
+            settle_range(stub, handled, &held, true, life.index).await?;
+            if let Some(again) = again {
+                settle_range(stub, handled, &again, true, life.index).await?;
+            }
+        } else {
+            let ack = roll >= ABANDON_PERCENT + NACK_PERCENT;
+            settle_range(stub, handled, &held, ack, life.index).await?;
+        }
+    }
+    Ok(worked)
 }
 
 fn key_of(item: u64) -> String {
@@ -205,6 +400,11 @@ impl Workload for LogWorkload {
             .max_batch_size(LOG_MAX_BATCH_RECORDS)
             .retention(Retention::new().max_records(RETAINED_HOT_RECORDS))
             .cold(Rc::new(cold))
+            .leases(
+                Leases::new()
+                    .lease_for(Duration::from_millis(LEASE_MS))
+                    .max_parallelism(MAX_LIVE_RANGES),
+            )
             .build()?;
         Ok(Partition { scheduler, log })
     }
@@ -332,6 +532,7 @@ impl Workload for LogWorkload {
                 })?;
                 worked = true;
             }
+            worked |= consume_leased(stub, handled, life, &mut rng).await?;
         }
         Ok(worked)
     }
@@ -346,7 +547,9 @@ impl Workload for LogWorkload {
                     Ok::<_, durability::LogError>(
                         CONSUMERS
                             .iter()
-                            .map(|(c, _)| end.saturating_sub(cursors.get(*c).copied().unwrap_or(0)))
+                            .map(|(c, _)| *c)
+                            .chain([LEASED_CONSUMER])
+                            .map(|c| end.saturating_sub(cursors.get(c).copied().unwrap_or(0)))
                             .sum::<u64>(),
                     )
                 })
@@ -590,8 +793,10 @@ fn check_facts(
                 }
                 *last = (*last).max(*offset);
             }
+            Handled::Leased { .. } | Handled::Settling { .. } | Handled::Settled { .. } => {}
         }
     }
+    let attempted = check_leases(handled, &accepted, stored, &mut tally);
     tally.detail("pages", pages);
     tally.detail("redelivered_records", redelivered);
 
@@ -718,7 +923,7 @@ fn check_facts(
             );
             continue;
         }
-        let missed: Vec<&str> = CONSUMERS
+        let mut missed: Vec<&str> = CONSUMERS
             .iter()
             .filter(|(consumer, _)| {
                 !delivered
@@ -727,6 +932,19 @@ fn check_facts(
             })
             .map(|(consumer, _)| *consumer)
             .collect();
+        // The leased consumer handled a record once its final cursor passed
+        // it and an ack of it was attempted (a kill may have cut off the
+        // journal line of an ack that committed).
+        let leased_cursor = stored
+            .get(object)
+            .and_then(|log| log.cursors.get(LEASED_CONSUMER).copied())
+            .unwrap_or(0);
+        let acked = attempted
+            .get(object.as_str())
+            .is_some_and(|offsets| offsets.contains(&offset));
+        if offset >= leased_cursor || !acked {
+            missed.push(LEASED_CONSUMER);
+        }
         if missed.is_empty() {
             completed += 1;
         } else {
@@ -738,6 +956,220 @@ fn check_facts(
     }
     tally.completed = completed;
     tally
+}
+
+/// One lease as the checker follows it through the journal.
+#[derive(Debug)]
+struct Tracked {
+    first: u64,
+    last: u64,
+    expires_at: EpochMs,
+    /// An ack or nack of it was attempted (or it was refused).
+    released: bool,
+    /// A later lease overlapped it: its holder is fenced.
+    reclaimed_by: Option<String>,
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 <= b.1 && b.0 <= a.1
+}
+
+/// The leased consumer's checks, in journal order (one consumer task per
+/// life, so the journal order is the order of the calls):
+/// - a range is never handed out while an overlapping lease is live (its
+///   expiry not reached) and not released: two live holders;
+/// - a range's records are its offsets, in order, with their accepted keys;
+/// - an ack of a fenced batch is never accepted, and no offset is acked by
+///   two batches;
+/// - the cursor never passes an offset no ack was attempted for, and never
+///   goes back.
+///
+/// Returns, per object, the offsets an ack was attempted for.
+fn check_leases<'a>(
+    handled: &'a [Handled],
+    accepted: &BTreeMap<(String, String), (u64, u64)>,
+    stored: &BTreeMap<String, StoredLog>,
+    tally: &mut Tally,
+) -> HashMap<&'a str, BTreeSet<u64>> {
+    let mut leases: HashMap<&str, BTreeMap<&str, Tracked>> = HashMap::new();
+    let mut attempted: HashMap<&str, BTreeSet<u64>> = HashMap::new();
+    let mut acked_by: HashMap<(&str, u64), &str> = HashMap::new();
+    let mut cursors: HashMap<&str, u64> = HashMap::new();
+    let (mut leased, mut fenced, mut redelivered) = (0_u64, 0_u64, 0_u64);
+    let lease_ms = i64::try_from(LEASE_MS).unwrap_or(i64::MAX);
+    let passed_unsettled = |tally: &mut Tally,
+                            attempted: &HashMap<&str, BTreeSet<u64>>,
+                            object: &str,
+                            cursor: u64,
+                            when: &str| {
+        let tried = attempted.get(object);
+        if let Some(offset) = (0..cursor).find(|o| !tried.is_some_and(|t| t.contains(o))) {
+            tally.flag(
+                Violation::Broken("cursor_passed_unsettled"),
+                format!(
+                    "{LEASED_CONSUMER} on {}: cursor {cursor} {when} passed offset {offset}, never acked",
+                    short(object)
+                ),
+            );
+        }
+    };
+    for fact in handled {
+        match fact {
+            Handled::Leased {
+                object,
+                batch_id,
+                first,
+                last,
+                attempt,
+                expires_at,
+                records,
+                life,
+            } => {
+                leased += 1;
+                if *attempt > 1 {
+                    redelivered += 1;
+                }
+                let offsets: Vec<u64> = records.iter().map(|(o, _)| *o).collect();
+                let expected: Vec<u64> = (*first..=*last).collect();
+                if offsets != expected {
+                    tally.flag(
+                        Violation::Broken("skipping_reads"),
+                        format!("{LEASED_CONSUMER} leased {first}..={last} holding {offsets:?}"),
+                    );
+                }
+                for (offset, key) in records {
+                    let journaled = accepted.get(&(object.clone(), key.clone())).map(|a| a.1);
+                    if journaled.is_some_and(|journaled| journaled != *offset) {
+                        tally.flag(
+                            Violation::Broken("key_offset_changes"),
+                            format!("{LEASED_CONSUMER} leased {key} at {offset}, accepted at {journaled:?}"),
+                        );
+                    }
+                }
+                let leased_at = expires_at.saturating_sub(lease_ms);
+                let held = leases.entry(object.as_str()).or_default();
+                for (other, tracked) in held.iter_mut() {
+                    if !overlaps((tracked.first, tracked.last), (*first, *last)) {
+                        continue;
+                    }
+                    if !tracked.released && leased_at < tracked.expires_at {
+                        tally.flag(
+                            Violation::Broken("two_live_holders"),
+                            format!(
+                                "{LEASED_CONSUMER} on {}: {first}..={last} leased as {batch_id} in life {life} while {other} held {}..={} until {}",
+                                short(object),
+                                tracked.first,
+                                tracked.last,
+                                tracked.expires_at
+                            ),
+                        );
+                    }
+                    tracked.reclaimed_by.get_or_insert_with(|| batch_id.clone());
+                }
+                held.insert(
+                    batch_id.as_str(),
+                    Tracked {
+                        first: *first,
+                        last: *last,
+                        expires_at: *expires_at,
+                        released: false,
+                        reclaimed_by: None,
+                    },
+                );
+            }
+            Handled::Settling {
+                object,
+                batch_id,
+                first,
+                last,
+                ack,
+                ..
+            } => {
+                if let Some(tracked) = leases
+                    .get_mut(object.as_str())
+                    .and_then(|held| held.get_mut(batch_id.as_str()))
+                {
+                    tracked.released = true;
+                }
+                if *ack {
+                    attempted
+                        .entry(object.as_str())
+                        .or_default()
+                        .extend(*first..=*last);
+                }
+            }
+            Handled::Settled {
+                object,
+                batch_id,
+                first,
+                last,
+                ack,
+                held,
+                cursor,
+                life,
+            } => {
+                let reclaimed = leases
+                    .get(object.as_str())
+                    .and_then(|h| h.get(batch_id.as_str()))
+                    .and_then(|t| t.reclaimed_by.clone());
+                if !held {
+                    fenced += 1;
+                } else if let Some(by) = reclaimed {
+                    tally.flag(
+                        Violation::Broken("fenced_ack_accepted"),
+                        format!(
+                            "{LEASED_CONSUMER} on {}: {batch_id} ({first}..={last}) settled in life {life} after {by} reclaimed it",
+                            short(object)
+                        ),
+                    );
+                }
+                if *held && *ack {
+                    for offset in *first..=*last {
+                        if let Some(other) = acked_by.insert((object.as_str(), offset), batch_id) {
+                            tally.flag(
+                                Violation::Broken("acked_twice"),
+                                format!(
+                                    "{LEASED_CONSUMER} on {}: offset {offset} acked by {other} and {batch_id}",
+                                    short(object)
+                                ),
+                            );
+                        }
+                    }
+                }
+                let last_cursor = cursors.entry(object.as_str()).or_insert(0);
+                if *cursor < *last_cursor {
+                    tally.flag(
+                        Violation::StaleSettlement,
+                        format!(
+                            "{LEASED_CONSUMER} on {}: cursor {cursor} in life {life} after {last_cursor}",
+                            short(object)
+                        ),
+                    );
+                }
+                *last_cursor = (*last_cursor).max(*cursor);
+                passed_unsettled(tally, &attempted, object, *cursor, "after an ack");
+            }
+            Handled::Page { .. } | Handled::Committed { .. } => {}
+        }
+    }
+    for (object, log) in stored {
+        let cursor = log.cursors.get(LEASED_CONSUMER).copied().unwrap_or(0);
+        passed_unsettled(tally, &attempted, object, cursor, "(stored)");
+        let last = cursors.get(object.as_str()).copied().unwrap_or(0);
+        if cursor < last {
+            tally.flag(
+                Violation::StaleSettlement,
+                format!(
+                    "{LEASED_CONSUMER} on {}: stored cursor {cursor} is behind {last}",
+                    short(object)
+                ),
+            );
+        }
+    }
+    tally.detail("leases", leased);
+    tally.detail("lease_redeliveries", redelivered);
+    tally.detail("fenced_acks", fenced);
+    attempted
 }
 
 /// The first digits of an object id, enough to tell objects apart.
@@ -802,7 +1234,9 @@ mod tests {
             next_offset: Some(items.len() as u64),
             cursors: CONSUMERS
                 .iter()
-                .map(|(c, _)| ((*c).to_owned(), cursor))
+                .map(|(c, _)| *c)
+                .chain([LEASED_CONSUMER])
+                .map(|c| (c.to_owned(), cursor))
                 .collect(),
             cold: Vec::new(),
             cold_problems: Vec::new(),
@@ -810,12 +1244,62 @@ mod tests {
         BTreeMap::from([("o".to_owned(), log)])
     }
 
+    fn leased(batch_id: &str, from: u64, items: &[u64], expires_at: EpochMs) -> Handled {
+        Handled::Leased {
+            object: "o".into(),
+            batch_id: batch_id.into(),
+            first: from,
+            last: from + items.len() as u64 - 1,
+            attempt: 1,
+            expires_at,
+            records: items
+                .iter()
+                .enumerate()
+                .map(|(i, &item)| (from + i as u64, key_of(item)))
+                .collect(),
+            life: 0,
+        }
+    }
+
+    fn settling(batch_id: &str, from: u64, count: u64) -> Handled {
+        Handled::Settling {
+            object: "o".into(),
+            batch_id: batch_id.into(),
+            first: from,
+            last: from + count - 1,
+            ack: true,
+            life: 0,
+        }
+    }
+
+    fn settled(batch_id: &str, from: u64, count: u64, held: bool, cursor: u64) -> Handled {
+        Handled::Settled {
+            object: "o".into(),
+            batch_id: batch_id.into(),
+            first: from,
+            last: from + count - 1,
+            ack: true,
+            held,
+            cursor,
+            life: 0,
+        }
+    }
+
+    /// Both cursor consumers read and commit `items` from `from`, and the
+    /// leased consumer leases and acks them as one range.
     fn both_read(from: u64, items: &[u64]) -> Vec<Handled> {
-        let next = from + items.len() as u64;
-        CONSUMERS
+        let count = items.len() as u64;
+        let next = from + count;
+        let mut facts: Vec<Handled> = CONSUMERS
             .iter()
             .flat_map(|(c, _)| [page(c, from, items), commit(c, next)])
-            .collect()
+            .collect();
+        facts.extend([
+            leased("b", from, items, 1_000),
+            settling("b", from, count),
+            settled("b", from, count, true, next),
+        ]);
+        facts
     }
 
     #[test]
@@ -834,7 +1318,13 @@ mod tests {
     #[test]
     fn a_record_a_consumer_never_handled_is_lost() {
         let produced = [appended(&[(0, 0), (1, 1)])];
-        let handled = vec![page("reader-a", 0, &[0, 1]), page("reader-b", 0, &[0])];
+        let handled = vec![
+            page("reader-a", 0, &[0, 1]),
+            page("reader-b", 0, &[0]),
+            leased("b", 0, &[0, 1], 1_000),
+            settling("b", 0, 2),
+            settled("b", 0, 2, true, 2),
+        ];
         let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
         assert_eq!(tally.lost, 1);
     }
@@ -973,6 +1463,86 @@ mod tests {
         }
         let tally = check_facts(&produced, &both_read(0, &[0]), &stored, Tally::default());
         assert_eq!(tally.broken.get("unreadable_cold_segments"), Some(&1));
+    }
+
+    #[test]
+    fn a_range_leased_while_an_overlapping_lease_is_live_has_two_live_holders() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let mut handled = both_read(0, &[0, 1]);
+        // "x" holds 0..=1 until 500; "y" gets 1..=1 at 501 - LEASE_MS.
+        let lease_ms = i64::try_from(LEASE_MS).unwrap_or(0);
+        handled.insert(0, leased("x", 0, &[0, 1], 500));
+        handled.insert(1, leased("y", 1, &[1], 501));
+        let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
+        assert_eq!(
+            tally.broken.get("two_live_holders"),
+            Some(&1),
+            "{:?}",
+            tally.examples()
+        );
+        // Leased once "x" expired, the same range is a legitimate redelivery.
+        let mut handled = both_read(0, &[0, 1]);
+        handled.insert(0, leased("x", 0, &[0, 1], 500));
+        handled.insert(1, leased("y", 1, &[1], 500 + lease_ms));
+        let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+    }
+
+    #[test]
+    fn an_ack_of_a_fenced_batch_that_is_accepted_is_flagged() {
+        let produced = [appended(&[(0, 0), (1, 1)])];
+        let lease_ms = i64::try_from(LEASE_MS).unwrap_or(0);
+        let mut handled = both_read(0, &[0, 1]);
+        handled.splice(
+            0..0,
+            [
+                leased("x", 0, &[0], 100),
+                leased("y", 0, &[0], 100 + lease_ms),
+                settling("x", 0, 1),
+                settled("x", 0, 1, true, 1),
+            ],
+        );
+        let tally = check_facts(&produced, &handled, &log_of(&[0, 1], 2), Tally::default());
+        assert_eq!(
+            tally.broken.get("fenced_ack_accepted"),
+            Some(&1),
+            "{:?}",
+            tally.examples()
+        );
+        // The same offset was then acked again by "b": two acks.
+        assert_eq!(tally.broken.get("acked_twice"), Some(&1));
+    }
+
+    #[test]
+    fn a_leased_cursor_past_an_offset_never_acked_passed_an_unsettled_range() {
+        let produced = [appended(&[(0, 0), (1, 1), (2, 2)])];
+        let mut handled: Vec<Handled> = both_read(0, &[0, 1, 2])
+            .into_iter()
+            .filter(|fact| {
+                !matches!(
+                    fact,
+                    Handled::Leased { .. } | Handled::Settling { .. } | Handled::Settled { .. }
+                )
+            })
+            .collect();
+        // Only 2..=2 was acked, yet the cursor moved to 3.
+        handled.extend([
+            leased("c", 2, &[2], 1_000),
+            settling("c", 2, 1),
+            settled("c", 2, 1, true, 3),
+        ]);
+        let tally = check_facts(
+            &produced,
+            &handled,
+            &log_of(&[0, 1, 2], 3),
+            Tally::default(),
+        );
+        assert!(
+            tally.broken.contains_key("cursor_passed_unsettled"),
+            "{:?}",
+            tally.examples()
+        );
+        assert_eq!(tally.lost, 2);
     }
 
     #[test]
