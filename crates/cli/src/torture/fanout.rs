@@ -17,7 +17,16 @@
 //! - an explicit dead letter or parking was decided by the delivery's own
 //!   attempt whose consumer chose it (else a stale settlement), and an
 //!   exhausted one had used up its attempts.
+//!
+//! On the parking objects a consumer pass redrives every parked delivery
+//! once (per message and target), journaling its intent before and the
+//! answer after. A redrive registers the delivery again under a new
+//! identity and deletes the parked entry in one transaction, so the checker
+//! also verifies that a redriven delivery's old identity never runs again
+//! and is not still parked, and allows the delivery one new identity per
+//! redrive; its ending (acked or parked again) counts like any other.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
 use std::time::Duration;
@@ -66,6 +75,9 @@ const ITEMS_PER_BLOCK: u64 = 5;
 /// The most messages one enqueue carries.
 const MAX_BATCH: u64 = 5;
 
+/// Parked entries listed per object and consumer pass.
+const REDRIVE_PAGE_ENTRIES: usize = 16;
+
 pub struct FanoutWorkload;
 
 /// One object with its fanout.
@@ -73,6 +85,10 @@ pub struct FanoutObject {
     ctx: ObjectContext,
     scheduler: Scheduler,
     fanout: Fanout<Body>,
+    /// Deliveries (`message@target`) already redriven, from the journal and
+    /// this life: each is redriven once, so a scripted dead letter that
+    /// parks again stays parked.
+    redriven: RefCell<HashSet<String>>,
 }
 
 impl DurableObject for FanoutObject {
@@ -110,6 +126,19 @@ enum Produced {
 enum Handled {
     Attempt(AttemptFact),
     DeadLetter(DeadLetterFact),
+    Redrive(RedriveFact),
+}
+
+/// A redrive of a parked delivery: journaled with `accepted: None` before
+/// the call, and with the answer after it returned.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RedriveFact {
+    object: String,
+    /// The parked entry's id: the old delivery identity.
+    parked_id: String,
+    message_id: String,
+    target: String,
+    accepted: Option<bool>,
 }
 
 /// A DLQ write, journaled before the writer returns `Ok`.
@@ -339,10 +368,21 @@ impl Workload for FanoutWorkload {
             });
         }
         let fanout = builder.build()?;
+        let redriven = journal::read::<Handled>(&env.files.handled())?
+            .lines
+            .into_iter()
+            .filter_map(|fact| match fact {
+                Handled::Redrive(r) if r.object == object && r.accepted == Some(true) => {
+                    Some(delivery_key(&r.message_id, &r.target))
+                }
+                _ => None,
+            })
+            .collect();
         Ok(FanoutObject {
             ctx,
             scheduler,
             fanout,
+            redriven: RefCell::new(redriven),
         })
     }
 
@@ -409,6 +449,68 @@ impl Workload for FanoutWorkload {
         Ok(())
     }
 
+    /// Redrives, once each, the parked deliveries of the parking objects.
+    async fn consume(
+        objects: &Objects<FanoutObject>,
+        handled: &Journal,
+        _life: &Life,
+    ) -> Result<bool, TortureError> {
+        let mut worked = false;
+        for stub in objects.all() {
+            let object = stub.id().to_string();
+            if has_dlq(&object) {
+                continue;
+            }
+            let parked = stub
+                .call(|o: Rc<FanoutObject>| async move {
+                    let entries = o
+                        .fanout
+                        .parked(None, REDRIVE_PAGE_ENTRIES)
+                        .map_err(|e| e.to_string())?;
+                    let redriven = o.redriven.borrow();
+                    Ok::<_, String>(
+                        entries
+                            .into_iter()
+                            .filter(|e| !redriven.contains(&delivery_key(&e.message_id, &e.target)))
+                            .map(|e| (e.id, e.message_id, e.target))
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .await?
+                .map_err(|message| TortureError::Fanout { message })?;
+            for (parked_id, message_id, target) in parked {
+                let mut fact = RedriveFact {
+                    object: object.clone(),
+                    parked_id: parked_id.clone(),
+                    message_id: message_id.clone(),
+                    target: target.clone(),
+                    accepted: None,
+                };
+                handled.append(&Handled::Redrive(fact.clone()))?;
+                let key = delivery_key(&message_id, &target);
+                let accepted = stub
+                    .call(move |o: Rc<FanoutObject>| async move {
+                        let result = o
+                            .fanout
+                            .redrive_parked(&[parked_id.as_str()])
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let accepted = matches!(result, EnqueueResult::Accepted { .. });
+                        if accepted {
+                            o.redriven.borrow_mut().insert(key);
+                        }
+                        Ok::<_, String>(accepted)
+                    })
+                    .await?
+                    .map_err(|message| TortureError::Fanout { message })?;
+                fact.accepted = Some(accepted);
+                handled.append(&Handled::Redrive(fact))?;
+                worked = true;
+            }
+        }
+        Ok(worked)
+    }
+
     async fn unsettled(objects: &Objects<FanoutObject>) -> Result<u64, TortureError> {
         let mut owed = 0;
         for stub in objects.all() {
@@ -470,7 +572,7 @@ impl Workload for FanoutWorkload {
             .iter()
             .filter_map(|fact| match fact {
                 Handled::Attempt(fact) => Some(fact.clone()),
-                Handled::DeadLetter(_) => None,
+                Handled::DeadLetter(_) | Handled::Redrive(_) => None,
             })
             .collect();
         let dead_letters: Vec<DeadLetterFact> = handled
@@ -478,16 +580,18 @@ impl Workload for FanoutWorkload {
             .iter()
             .filter_map(|fact| match fact {
                 Handled::DeadLetter(fact) => Some(fact.clone()),
-                Handled::Attempt(_) => None,
+                Handled::Attempt(_) | Handled::Redrive(_) => None,
             })
             .collect();
         let ledger = Ledger::check(&attempts, MAX_ATTEMPTS, &mut tally);
+        let redrives = check_redrives(&handled.lines, &stored, &mut tally);
         Ok(check_facts(
             &produced.lines,
             &attempts,
             &dead_letters,
             &ledger,
             &stored,
+            &redrives,
             tally,
         ))
     }
@@ -535,6 +639,7 @@ fn check_facts(
     dead_letters: &[DeadLetterFact],
     ledger: &Ledger,
     stored: &Stored,
+    redrives: &HashMap<(String, String), u64>,
     mut tally: Tally,
 ) -> Tally {
     // Accepted messages by (object, id).
@@ -579,7 +684,12 @@ fn check_facts(
         }
     }
     for ((object, key), generations) in &identities {
-        if generations.len() > 1 {
+        // Each redrive gives the delivery one new identity.
+        let allowed = 1 + redrives
+            .get(&((*object).to_owned(), (*key).to_owned()))
+            .copied()
+            .unwrap_or(0);
+        if generations.len() as u64 > allowed {
             tally.flag(
                 Violation::Broken("unstable_delivery_ids"),
                 format!(
@@ -718,6 +828,73 @@ fn check_facts(
     tally
 }
 
+/// The redrive checks, in journal order (attempts and redrives share the
+/// journal): the old identity of a delivery whose redrive was attempted
+/// never runs again, an accepted redrive leaves nothing parked under the old
+/// identity, and every redrive of a listed entry is accepted. Returns the
+/// redrive attempts per (object, delivery key).
+fn check_redrives(
+    handled: &[Handled],
+    stored: &Stored,
+    tally: &mut Tally,
+) -> HashMap<(String, String), u64> {
+    let mut attempted: HashMap<(String, String), u64> = HashMap::new();
+    // Old identities whose redrive was attempted, and those accepted.
+    let mut retired: HashSet<(&str, &str)> = HashSet::new();
+    let mut accepted: HashSet<(&str, &str)> = HashSet::new();
+    let mut redriven = 0_u64;
+    for fact in handled {
+        match fact {
+            Handled::Redrive(r) => match r.accepted {
+                None => {
+                    retired.insert((r.object.as_str(), r.parked_id.as_str()));
+                    *attempted
+                        .entry((r.object.clone(), delivery_key(&r.message_id, &r.target)))
+                        .or_default() += 1;
+                }
+                Some(true) => {
+                    redriven += 1;
+                    accepted.insert((r.object.as_str(), r.parked_id.as_str()));
+                }
+                Some(false) => tally.flag(
+                    Violation::Broken("rejected_redrives"),
+                    format!(
+                        "the redrive of the parked {}, just listed, was rejected",
+                        delivery_key(&r.message_id, &r.target)
+                    ),
+                ),
+            },
+            Handled::Attempt(a) => {
+                if retired.contains(&(a.object.as_str(), a.generation.as_str())) {
+                    tally.flag(
+                        Violation::Broken("redriven_delivery_ran_again"),
+                        format!(
+                            "{} ran attempt {} as {} after that identity was redriven",
+                            a.key, a.attempt, a.generation
+                        ),
+                    );
+                }
+            }
+            Handled::DeadLetter(_) => {}
+        }
+    }
+    for (object, parked) in &stored.parked {
+        if accepted.contains(&(object.as_str(), parked.delivery_id.as_str())) {
+            tally.flag(
+                Violation::Broken("redriven_still_parked"),
+                format!(
+                    "{} on {} is still parked as {} after its redrive was accepted",
+                    delivery_key(&parked.message_id, &parked.target),
+                    short(object),
+                    parked.delivery_id
+                ),
+            );
+        }
+    }
+    tally.detail("redriven", redriven);
+    attempted
+}
+
 /// The first digits of an object id, enough to tell objects apart.
 fn short(id: &str) -> &str {
     id.get(..8).unwrap_or(id)
@@ -750,7 +927,15 @@ mod tests {
     fn run(produced: &[Produced], attempts: &[AttemptFact], stored: &Stored) -> Tally {
         let mut tally = Tally::default();
         let ledger = Ledger::check(attempts, MAX_ATTEMPTS, &mut tally);
-        check_facts(produced, attempts, &[], &ledger, stored, tally)
+        check_facts(
+            produced,
+            attempts,
+            &[],
+            &ledger,
+            stored,
+            &HashMap::new(),
+            tally,
+        )
     }
 
     fn delivered(item: u64) -> Vec<AttemptFact> {
@@ -763,6 +948,117 @@ mod tests {
                 ]
             })
             .collect()
+    }
+
+    fn redrive(item: u64, parked_id: &str, accepted: Option<bool>) -> Handled {
+        Handled::Redrive(RedriveFact {
+            object: "o".into(),
+            parked_id: parked_id.into(),
+            message_id: message_id(item),
+            target: INBOX.into(),
+            accepted,
+        })
+    }
+
+    /// Item 0's inbox delivery dead-lettered (parked) as `g0`, redriven,
+    /// and acked under a new identity.
+    fn redriven_then_acked() -> Vec<Handled> {
+        let old = attempt(0, INBOX, 1, None).generation;
+        let mut new = attempt(0, INBOX, 1, None);
+        new.generation = "[\"g-new\",\"inbox\"]".into();
+        let mut facts = vec![
+            Handled::Attempt(attempt(0, INBOX, 1, None)),
+            Handled::Attempt(attempt(0, INBOX, 1, Some(Outcome::Permanent))),
+            redrive(0, &old, None),
+            redrive(0, &old, Some(true)),
+            Handled::Attempt(new.clone()),
+            Handled::Attempt(AttemptFact {
+                returned: Some(Outcome::Ok),
+                ..new
+            }),
+        ];
+        facts.extend(
+            [
+                attempt(0, ARCHIVE, 1, None),
+                attempt(0, ARCHIVE, 1, Some(Outcome::Ok)),
+            ]
+            .map(Handled::Attempt),
+        );
+        facts
+    }
+
+    fn run_handled(handled: &[Handled], stored: &Stored) -> Tally {
+        let attempts: Vec<AttemptFact> = handled
+            .iter()
+            .filter_map(|f| match f {
+                Handled::Attempt(a) => Some(a.clone()),
+                _ => None,
+            })
+            .collect();
+        let mut tally = Tally::default();
+        let ledger = Ledger::check(&attempts, MAX_ATTEMPTS, &mut tally);
+        let redrives = check_redrives(handled, stored, &mut tally);
+        check_facts(
+            &[accepted(&[0])],
+            &attempts,
+            &[],
+            &ledger,
+            stored,
+            &redrives,
+            tally,
+        )
+    }
+
+    #[test]
+    fn a_redriven_delivery_may_end_under_its_new_identity() {
+        let tally = run_handled(&redriven_then_acked(), &Stored::default());
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.completed, 1);
+        // Without the redrive the second identity is an unstable delivery id.
+        let without: Vec<Handled> = redriven_then_acked()
+            .into_iter()
+            .filter(|f| !matches!(f, Handled::Redrive(_)))
+            .collect();
+        let tally = run_handled(&without, &Stored::default());
+        assert_eq!(tally.broken.get("unstable_delivery_ids"), Some(&1));
+    }
+
+    #[test]
+    fn a_redriven_identity_that_runs_again_is_flagged() {
+        let mut handled = redriven_then_acked();
+        handled.push(Handled::Attempt(attempt(0, INBOX, 2, None)));
+        let tally = run_handled(&handled, &Stored::default());
+        assert_eq!(
+            tally.broken.get("redriven_delivery_ran_again"),
+            Some(&1),
+            "{:?}",
+            tally.examples()
+        );
+    }
+
+    #[test]
+    fn an_accepted_redrive_whose_entry_is_still_parked_is_flagged() {
+        let old = attempt(0, INBOX, 1, None).generation;
+        let stored = Stored {
+            owed: Vec::new(),
+            parked: vec![(
+                "o".into(),
+                ParkedRow {
+                    delivery_id: old,
+                    message_id: message_id(0),
+                    target: INBOX.into(),
+                    attempts: 1,
+                    reason: "explicit".into(),
+                },
+            )],
+        };
+        let tally = run_handled(&redriven_then_acked(), &stored);
+        assert_eq!(
+            tally.broken.get("redriven_still_parked"),
+            Some(&1),
+            "{:?}",
+            tally.examples()
+        );
     }
 
     #[test]
