@@ -585,6 +585,89 @@ async fn memos_survive_a_retry_and_are_deleted_with_the_completion() {
     .await;
 }
 
+fn memo_keys(ctx: &Rc<dyn Context>) -> Vec<String> {
+    let mut keys: Vec<String> = ctx
+        .storage()
+        .query("SELECT record_key FROM durability_memos", &[])
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0).unwrap())
+        .collect();
+    keys.sort();
+    keys
+}
+
+#[tokio::test(start_paused = true)]
+async fn memos_are_deleted_with_a_terminal_failure_an_exhaustion_and_a_purge() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = Scheduler::new(Rc::clone(&ctx)).unwrap();
+        h.install(&scheduler);
+        let runs: Rc<RefCell<Vec<(String, u32)>>> = Rc::default();
+        let ops = {
+            let runs = Rc::clone(&runs);
+            Operations::builder(&scheduler)
+                .max_attempts(2)
+                .retry_delay(Delay::Fixed { ms: 10_000.0 })
+                .handler("charge", move |call: DurableCall<()>| {
+                    runs.borrow_mut().push((call.id.clone(), call.attempt));
+                    async move {
+                        call.memo
+                            .memoize("charge", async { Ok::<_, HandlerError>(1_u32) })
+                            .await
+                            .map_err(HandlerError::from)?;
+                        Err::<(), _>(HandlerError::new("declined"))
+                    }
+                })
+                .build()
+                .unwrap()
+        };
+        let t0 = scheduler.now_ms();
+        ops.start("charge", "purged", &()).await.unwrap();
+        sleep_ms(1).await;
+        ops.start("charge", "failed", &()).await.unwrap();
+        ops.start("charge", "exhausted", &()).await.unwrap();
+        sleep_ms(1_000).await;
+        // A retry keeps the memos.
+        assert_eq!(memo_keys(&ctx), ["exhausted", "failed", "purged"]);
+
+        assert_eq!(ops.purge_before(t0 + 1).await.unwrap(), 1);
+        assert_eq!(memo_keys(&ctx), ["exhausted", "failed"], "purge");
+
+        // "The process died during the last attempt".
+        ctx.storage()
+            .execute(
+                "UPDATE durability_calls SET attempt = 2 WHERE id = 'exhausted'",
+                &[],
+            )
+            .unwrap();
+        sleep_ms(11_000).await;
+        let failed: OperationResult<()> = ops.result("charge", "failed").unwrap();
+        assert!(matches!(failed, OperationResult::Failed { attempt: 2, .. }));
+        let exhausted: OperationResult<()> = ops.result("charge", "exhausted").unwrap();
+        match exhausted {
+            OperationResult::Failed { error, .. } => {
+                assert_eq!(error.name, "DurableAttemptsExhaustedError");
+            }
+            other => panic!("expected exhaustion, got {other:?}"),
+        }
+        let exhausted_runs = runs
+            .borrow()
+            .iter()
+            .filter(|(id, _)| id == "exhausted")
+            .count();
+        assert_eq!(
+            exhausted_runs, 1,
+            "an exhausted record is not invoked again"
+        );
+        assert!(
+            memo_keys(&ctx).is_empty(),
+            "terminal failure and exhaustion"
+        );
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn watchers_are_notified_only_after_the_commit() {
     support::on_harness(|h| async move {
