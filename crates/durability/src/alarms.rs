@@ -20,8 +20,10 @@ use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageE
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, LibraryErrorKind};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
-use crate::memo::{MEMO_MIGRATIONS, Memo};
-use crate::migrations::{self, MigrationReport, MigrationTarget, NAMED_ALARMS_MIGRATIONS};
+use crate::memo::Memo;
+use crate::migrations::{
+    self, MigrationReport, MigrationTarget, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS,
+};
 use crate::record::{AttemptRef, DurableTable, delete_attempt};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
@@ -130,12 +132,8 @@ impl AlarmsBuilder {
             .into());
         }
         let engine = Rc::clone(&self.scheduler.engine);
-        let emitter = Emitter::new(Rc::clone(&engine.ctx));
-        for hook in self.hooks {
-            emitter.add(hook).keep();
-        }
-        engine.migrate_schema("namedAlarms", NAMED_ALARMS_MIGRATIONS)?;
-        engine.migrate_schema("memos", MEMO_MIGRATIONS)?;
+        let emitter =
+            engine.prepare_records(NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS, self.hooks)?;
         let inner = Rc::new(Inner {
             engine: Rc::clone(&engine),
             handlers: self.handlers,
@@ -143,8 +141,7 @@ impl AlarmsBuilder {
             emitter,
             active: ActiveMap::default(),
         });
-        let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
-        engine.register(ALARMS, Rc::downgrade(&participant))?;
+        engine.register(&inner)?;
         Ok(Alarms { inner })
     }
 }
@@ -326,7 +323,12 @@ impl Alarms {
         storage: &dyn durability_platform::Storage,
         target: MigrationTarget,
     ) -> Result<MigrationReport, DurabilityError> {
-        let report = migrations::migrate(storage, "namedAlarms", NAMED_ALARMS_MIGRATIONS, target)?;
+        let report = migrations::migrate(
+            storage,
+            NAMED_ALARMS_CAPABILITY,
+            NAMED_ALARMS_MIGRATIONS,
+            target,
+        )?;
         crate::memo::delete_memos_of_dropped_table(storage, ALARMS)?;
         Ok(report)
     }

@@ -31,8 +31,10 @@ use serde::de::DeserializeOwned;
 use crate::codec;
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
-use crate::memo::{MEMO_MIGRATIONS, Memo};
-use crate::migrations::{self, MigrationReport, MigrationTarget, OPERATIONS_MIGRATIONS};
+use crate::memo::Memo;
+use crate::migrations::{
+    self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
+};
 use crate::record::{AttemptRef, DurableTable};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
@@ -204,12 +206,8 @@ impl OperationsBuilder {
             .into());
         }
         let engine = Rc::clone(&self.scheduler.engine);
-        let emitter = Emitter::new(Rc::clone(&engine.ctx));
-        for hook in self.hooks {
-            emitter.add(hook).keep();
-        }
-        engine.migrate_schema("operations", OPERATIONS_MIGRATIONS)?;
-        engine.migrate_schema("memos", MEMO_MIGRATIONS)?;
+        let emitter =
+            engine.prepare_records(OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS, self.hooks)?;
         let inner = Rc::new(Inner {
             engine: Rc::clone(&engine),
             handlers: self.handlers,
@@ -218,8 +216,7 @@ impl OperationsBuilder {
             emitter,
             active: ActiveMap::default(),
         });
-        let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
-        engine.register(CALLS, Rc::downgrade(&participant))?;
+        engine.register(&inner)?;
         Ok(Operations { inner })
     }
 }
@@ -516,7 +513,12 @@ impl Operations {
         storage: &dyn durability_platform::Storage,
         target: MigrationTarget,
     ) -> Result<MigrationReport, DurabilityError> {
-        let report = migrations::migrate(storage, "operations", OPERATIONS_MIGRATIONS, target)?;
+        let report = migrations::migrate(
+            storage,
+            OPERATIONS_CAPABILITY,
+            OPERATIONS_MIGRATIONS,
+            target,
+        )?;
         crate::memo::delete_memos_of_dropped_table(storage, CALLS)?;
         Ok(report)
     }

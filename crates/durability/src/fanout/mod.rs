@@ -119,12 +119,11 @@ use tokio::sync::watch;
 use crate::error::{ConfigError, DurabilityError, HandlerError};
 use crate::lifecycle::{Emitter, Entity, HookRegistration, LifecycleEvent, LifecycleHook};
 use crate::load::{Load, LoadSnapshot};
-use crate::memo::MEMO_MIGRATIONS;
 use crate::migrations::{
-    self, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MEMOS_CAPABILITY, MigrationReport, MigrationTarget,
+    self, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationReport, MigrationTarget,
 };
 use crate::retry::{Delay, Policies, PolicyOptions};
-use crate::scheduler::{Engine, Participant, Scheduler};
+use crate::scheduler::{Engine, Scheduler};
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
 
@@ -288,12 +287,7 @@ where
         }
         let policies = policy.validate()?;
         let engine = Rc::clone(&self.scheduler.engine);
-        engine.migrate_schema(FANOUT_CAPABILITY, FANOUT_MIGRATIONS)?;
-        engine.migrate_schema(MEMOS_CAPABILITY, MEMO_MIGRATIONS)?;
-        let emitter = Emitter::new(Rc::clone(&engine.ctx));
-        for hook in self.hooks {
-            emitter.add(hook).keep();
-        }
+        let emitter = engine.prepare_records(FANOUT_CAPABILITY, FANOUT_MIGRATIONS, self.hooks)?;
         let routing = self
             .routing
             .unwrap_or_else(|| Load::for_context(&engine.ctx));
@@ -310,8 +304,7 @@ where
             running: RefCell::new(HashMap::new()),
             pending: Cell::new(None),
         });
-        let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
-        engine.register(DELIVERIES, Rc::downgrade(&participant))?;
+        engine.register(&inner)?;
         Ok(Fanout { inner })
     }
 }

@@ -460,8 +460,7 @@ where
                 .routing
                 .unwrap_or_else(|| Load::for_context(&engine.ctx)),
         });
-        let participant: Rc<dyn Participant> = Rc::clone(&inner) as Rc<dyn Participant>;
-        engine.register(LOG_RECORDS, Rc::downgrade(&participant))?;
+        engine.register(&inner)?;
         Ok(Log {
             inner,
             _body: PhantomData,

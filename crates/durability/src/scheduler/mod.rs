@@ -44,7 +44,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
-use crate::migrations::{self, Migration, MigrationTarget};
+use crate::lifecycle::{Emitter, LifecycleHook};
+use crate::memo::MEMO_MIGRATIONS;
+use crate::migrations::{self, MEMOS_CAPABILITY, Migration, MigrationTarget};
 use crate::record::DurableTable;
 
 /// Default number of handlers that may run at once on one scheduler.
@@ -405,21 +407,42 @@ impl Engine {
         )
     }
 
-    pub(crate) fn register(
+    /// Attaches `participant` to this scheduler, held weakly: a capability
+    /// that is dropped stops taking part and gives its table back. A second
+    /// live participant for the same table is refused.
+    pub(crate) fn register<P: Participant + 'static>(
         &self,
-        table: DurableTable,
-        participant: Weak<dyn Participant>,
+        participant: &Rc<P>,
     ) -> Result<(), ConfigError> {
+        let table = participant.table();
+        let participant: Rc<dyn Participant> = Rc::clone(participant) as Rc<dyn Participant>;
         let mut participants = self.participants.borrow_mut();
-        // A dropped capability gives its table back.
         participants.retain(|(_, p)| p.strong_count() > 0);
         if participants.iter().any(|(t, _)| t.name == table.name) {
             return Err(ConfigError::DuplicateParticipant {
                 table: table.name.to_owned(),
             });
         }
-        participants.push((table, participant));
+        participants.push((table, Rc::downgrade(&participant)));
         Ok(())
+    }
+
+    /// What every capability with attempt records does when it is built:
+    /// its schema and the memos' schema are current, and its lifecycle
+    /// hooks are attached to a new emitter.
+    pub(crate) fn prepare_records(
+        &self,
+        capability: &'static str,
+        migrations: &[Migration],
+        hooks: Vec<LifecycleHook>,
+    ) -> Result<Emitter, DurabilityError> {
+        self.migrate_schema(capability, migrations)?;
+        self.migrate_schema(MEMOS_CAPABILITY, MEMO_MIGRATIONS)?;
+        let emitter = Emitter::new(Rc::clone(&self.ctx));
+        for hook in hooks {
+            emitter.add(hook).keep();
+        }
+        Ok(emitter)
     }
 
     fn live_participants(&self) -> Vec<Rc<dyn Participant>> {
