@@ -288,7 +288,7 @@ pub fn delete_memos_of_dropped_table(
     let exists = |name: &str| -> Result<bool, StorageError> {
         Ok(sql
             .query_row(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                "SELECT 1 FROM sqlite_master WHERE type IN ('table', 'view') AND name = ?",
                 &[name.into()],
             )?
             .is_some())

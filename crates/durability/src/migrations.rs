@@ -654,7 +654,170 @@ CREATE INDEX durability_fanout_parked_at_idx ON durability_fanout_parked (parked
         down: "DROP INDEX durability_fanout_parked_at_idx;
 DROP TABLE durability_fanout_parked;",
     },
+    Migration {
+        name: "durability_0013_fanout_cursors",
+        up: FANOUT_CURSORS_UP,
+        down: FANOUT_CURSORS_DOWN,
+    },
 ];
+
+/// The owed deliveries of the cursor layout, in the columns of the table it
+/// replaced (`durability_fanout_deliveries`, a view from 0013 on): every
+/// pending exception row, and every message of a target's spans at or after
+/// its cursor that has no exception row. Readers (tools, tests, the memo
+/// ownership check, the down script) see the reference layout; nothing
+/// writes through it.
+macro_rules! fanout_owed_view {
+    () => {
+        "CREATE VIEW durability_fanout_deliveries AS
+SELECT id, message_key, target_id, seq, status, phase, attempt, next_attempt_at, last_error,
+  last_error_name, created_at, generation_id, dead_lettered_at, dead_letter_reason
+FROM durability_fanout_exceptions WHERE status = 'pending'
+UNION ALL
+SELECT json_array(m.key, s.target_id), m.key, s.target_id, m.seq, 'pending', 'delivery',
+  CASE WHEN c.claim_end IS NOT NULL AND m.seq < c.claim_end THEN c.claim_attempt ELSE 0 END,
+  CASE WHEN c.claim_end IS NOT NULL AND m.seq < c.claim_end THEN c.claim_deadline
+    ELSE max(s.due_at, c.paused_until) END,
+  NULL, NULL, m.created_at, m.generation_id, NULL, NULL
+FROM durability_fanout_spans s
+JOIN durability_fanout_cursors c ON c.target_id = s.target_id
+JOIN durability_fanout_messages m ON m.seq >= max(s.first_seq, c.next_seq) AND m.seq <= s.last_seq
+WHERE NOT EXISTS (SELECT 1 FROM durability_fanout_exceptions e
+  WHERE e.seq = m.seq AND e.target_id = s.target_id);"
+    };
+}
+
+/// 0013 (issue 13): per-target cursors, rows only for exceptions. Every
+/// delivery row of the old layout (first deliveries, retries, dead-letter
+/// intent) becomes an exception row with its attempt, due time, errors and
+/// generation unchanged, so nothing is delivered twice or lost; the
+/// messages keep their keys, sequences and generations; parked entries and
+/// memos are untouched (the memos' `record_table` is the view's name, and
+/// each owed delivery keeps its id). Old rows then drain through the retry
+/// lane, after new first deliveries; each target's cursor starts behind
+/// every carried message, so none of them is handed over twice.
+const FANOUT_CURSORS_UP: &str = concat!(
+    "CREATE TABLE durability_fanout_exceptions (
+  id TEXT PRIMARY KEY,
+  message_key TEXT NOT NULL,
+  target_id TEXT NOT NULL,
+  seq INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending', 'settled')),
+  phase TEXT NOT NULL CHECK (phase IN ('delivery', 'dead_letter')),
+  attempt INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at INTEGER NOT NULL,
+  last_error TEXT,
+  last_error_name TEXT,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL,
+  dead_lettered_at INTEGER,
+  dead_letter_reason TEXT CHECK (dead_letter_reason IN ('explicit', 'exhausted'))
+);
+INSERT INTO durability_fanout_exceptions (id, message_key, target_id, seq, status, phase, attempt,
+  next_attempt_at, last_error, last_error_name, created_at, generation_id, dead_lettered_at,
+  dead_letter_reason)
+SELECT id, message_key, target_id, seq, 'pending', phase, attempt, next_attempt_at, last_error,
+  last_error_name, created_at, generation_id, dead_lettered_at, dead_letter_reason
+FROM durability_fanout_deliveries;
+CREATE INDEX durability_fanout_exceptions_due_idx ON durability_fanout_exceptions (target_id, next_attempt_at) WHERE status = 'pending';
+CREATE INDEX durability_fanout_exceptions_next_idx ON durability_fanout_exceptions (next_attempt_at) WHERE status = 'pending';
+CREATE INDEX durability_fanout_exceptions_seq_idx ON durability_fanout_exceptions (seq, target_id);
+CREATE TABLE durability_fanout_cursors (
+  target_id TEXT PRIMARY KEY,
+  next_seq INTEGER NOT NULL,
+  claim_end INTEGER,
+  claim_attempt INTEGER NOT NULL DEFAULT 0,
+  claim_deadline INTEGER,
+  paused_until INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+INSERT INTO durability_fanout_cursors (target_id, next_seq)
+SELECT DISTINCT target_id, (SELECT next_seq FROM durability_fanout_seq WHERE id = 1)
+FROM durability_fanout_deliveries;
+CREATE TABLE durability_fanout_spans (
+  target_id TEXT NOT NULL,
+  first_seq INTEGER NOT NULL,
+  last_seq INTEGER NOT NULL,
+  due_at INTEGER NOT NULL,
+  PRIMARY KEY (target_id, first_seq)
+) WITHOUT ROWID;
+CREATE INDEX durability_fanout_spans_seq_idx ON durability_fanout_spans (first_seq);
+CREATE TABLE durability_fanout_messages_0013 (
+  seq INTEGER PRIMARY KEY,
+  key TEXT NOT NULL UNIQUE,
+  id TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  targets TEXT NOT NULL,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL
+);
+INSERT INTO durability_fanout_messages_0013 (seq, key, id, payload, targets, created_at, generation_id)
+SELECT seq, key, id, payload, targets, created_at, generation_id FROM durability_fanout_messages;
+DROP TABLE durability_fanout_messages;
+ALTER TABLE durability_fanout_messages_0013 RENAME TO durability_fanout_messages;
+DROP INDEX durability_fanout_deliveries_pending_idx;
+DROP INDEX durability_fanout_deliveries_retry_idx;
+DROP INDEX durability_fanout_deliveries_due_idx;
+DROP TABLE durability_fanout_deliveries;
+",
+    fanout_owed_view!()
+);
+
+/// Back to one row per owed delivery: the view's rows become the table
+/// (in-flight first deliveries keep their claimed attempt and deadline;
+/// delivered ones waiting for their cursor are gone), and each message
+/// still owed gets its `remaining` count; messages owed to nobody go.
+const FANOUT_CURSORS_DOWN: &str = "CREATE TABLE durability_fanout_deliveries_0005 (
+  id TEXT PRIMARY KEY,
+  message_key TEXT NOT NULL,
+  target_id TEXT NOT NULL,
+  seq INTEGER NOT NULL,
+  status TEXT NOT NULL CHECK (status IN ('pending')),
+  phase TEXT NOT NULL CHECK (phase IN ('delivery', 'dead_letter')),
+  attempt INTEGER NOT NULL DEFAULT 0,
+  next_attempt_at INTEGER NOT NULL,
+  last_error TEXT,
+  last_error_name TEXT,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL,
+  dead_lettered_at INTEGER,
+  dead_letter_reason TEXT CHECK (dead_letter_reason IN ('explicit', 'exhausted'))
+);
+INSERT INTO durability_fanout_deliveries_0005 (id, message_key, target_id, seq, status, phase,
+  attempt, next_attempt_at, last_error, last_error_name, created_at, generation_id,
+  dead_lettered_at, dead_letter_reason)
+SELECT id, message_key, target_id, seq, status, phase, attempt, next_attempt_at, last_error,
+  last_error_name, created_at, generation_id, dead_lettered_at, dead_letter_reason
+FROM durability_fanout_deliveries;
+CREATE TABLE durability_fanout_messages_0005 (
+  key TEXT PRIMARY KEY,
+  id TEXT NOT NULL,
+  payload TEXT NOT NULL,
+  targets TEXT NOT NULL,
+  remaining INTEGER NOT NULL,
+  seq INTEGER NOT NULL,
+  created_at INTEGER NOT NULL,
+  generation_id TEXT NOT NULL
+);
+INSERT INTO durability_fanout_messages_0005 (key, id, payload, targets, remaining, seq, created_at,
+  generation_id)
+SELECT m.key, m.id, m.payload, m.targets, owed.n, m.seq, m.created_at, m.generation_id
+FROM durability_fanout_messages m
+JOIN (SELECT message_key, COUNT(*) AS n FROM durability_fanout_deliveries_0005
+  GROUP BY message_key) owed ON owed.message_key = m.key;
+DROP VIEW durability_fanout_deliveries;
+DROP INDEX durability_fanout_spans_seq_idx;
+DROP TABLE durability_fanout_spans;
+DROP TABLE durability_fanout_cursors;
+DROP INDEX durability_fanout_exceptions_seq_idx;
+DROP INDEX durability_fanout_exceptions_next_idx;
+DROP INDEX durability_fanout_exceptions_due_idx;
+DROP TABLE durability_fanout_exceptions;
+DROP TABLE durability_fanout_messages;
+ALTER TABLE durability_fanout_messages_0005 RENAME TO durability_fanout_messages;
+ALTER TABLE durability_fanout_deliveries_0005 RENAME TO durability_fanout_deliveries;
+CREATE INDEX durability_fanout_deliveries_due_idx ON durability_fanout_deliveries (target_id, next_attempt_at, seq) WHERE phase = 'delivery' AND attempt = 0;
+CREATE INDEX durability_fanout_deliveries_retry_idx ON durability_fanout_deliveries (target_id, next_attempt_at) WHERE attempt > 0;
+CREATE INDEX durability_fanout_deliveries_pending_idx ON durability_fanout_deliveries (status, next_attempt_at);";
 
 /// The migrations of the retained log (§5.4, capability `log`).
 ///

@@ -29,9 +29,13 @@ const ATTEMPT_TIMEOUT_MS: i64 = 300_000;
 /// The wait of a removed target's rows and of a failed DLQ write.
 const INFRASTRUCTURE_RETRY_MS: i64 = 60_000;
 
-const FANOUT_TABLES: [&str; 4] = [
+/// Every fanout table, and the view of owed deliveries.
+const FANOUT_TABLES: [&str; 7] = [
     "durability_fanout_messages",
     "durability_fanout_deliveries",
+    "durability_fanout_exceptions",
+    "durability_fanout_cursors",
+    "durability_fanout_spans",
     "durability_fanout_seq",
     "durability_fanout_parked",
 ];
@@ -57,6 +61,7 @@ fn count(ctx: &dyn Context, sql: &str) -> i64 {
     query_i64(ctx, sql, &[])
 }
 
+/// Owed deliveries (the view over cursors and exception rows).
 fn deliveries(ctx: &dyn Context) -> i64 {
     count(ctx, "SELECT COUNT(*) FROM durability_fanout_deliveries")
 }
@@ -229,15 +234,16 @@ impl Store {
     }
 }
 
-/// Every manifest's `remaining` equals its delivery rows, and none is zero.
+/// Every message is still owed to a target (or waits for a cursor to pass
+/// its settled delivery), and no owed delivery lacks its message.
 fn assert_manifests_consistent(ctx: &dyn Context) {
     let wrong = count(
         ctx,
-        "SELECT COUNT(*) FROM durability_fanout_messages m WHERE remaining <> \
-         (SELECT COUNT(*) FROM durability_fanout_deliveries d WHERE d.message_key = m.key) \
-         OR remaining <= 0",
+        "SELECT COUNT(*) FROM durability_fanout_messages m WHERE NOT EXISTS \
+         (SELECT 1 FROM durability_fanout_deliveries d WHERE d.message_key = m.key) \
+         AND NOT EXISTS (SELECT 1 FROM durability_fanout_exceptions e WHERE e.seq = m.seq)",
     );
-    assert_eq!(wrong, 0, "a manifest disagrees with its delivery rows");
+    assert_eq!(wrong, 0, "a message is left behind with nothing owed");
     let orphans = count(
         ctx,
         "SELECT COUNT(*) FROM durability_fanout_deliveries d WHERE NOT EXISTS \
@@ -316,8 +322,8 @@ async fn a_storage_failure_during_enqueue_is_an_error_never_a_rejection() {
         // The storage refuses the second row of the batch.
         ctx.storage()
             .execute_script(
-                "CREATE TRIGGER refuse BEFORE INSERT ON durability_fanout_deliveries \
-                 WHEN NEW.message_key = 'm2' BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
+                "CREATE TRIGGER refuse BEFORE INSERT ON durability_fanout_messages \
+                 WHEN NEW.key = 'm2' BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
             )
             .unwrap();
         let before = snapshot(&*ctx);
@@ -714,10 +720,13 @@ async fn attempts_grow_by_one_per_claim_and_an_exhausted_row_never_reaches_the_c
         // A row found already at its maximum (the process died during its
         // last attempt) is dead-lettered without a delivery.
         accepted(fanout.enqueue(inputs(&["n"]), &EnqueueOptions::all()).await);
+        // Its cursor's claim, as the process left it: attempt 3, deadline past.
         ctx.storage()
-            .execute(
-                "UPDATE durability_fanout_deliveries SET attempt = 3 WHERE message_key = 'n'",
-                &[],
+            .execute_script(
+                "UPDATE durability_fanout_cursors SET \
+                 next_seq = (SELECT seq FROM durability_fanout_messages WHERE key = 'n'), \
+                 claim_end = (SELECT seq FROM durability_fanout_messages WHERE key = 'n') + 1, \
+                 claim_attempt = 3, claim_deadline = 0 WHERE target_id = 't'",
             )
             .unwrap();
         sleep_ms(10_000).await;
@@ -1199,8 +1208,8 @@ async fn pending_deliveries_equals_the_row_count_and_is_recounted_after_a_failed
         // drops the cached count; the next read counts again.
         ctx.storage()
             .execute_script(
-                "CREATE TRIGGER refuse BEFORE DELETE ON durability_fanout_deliveries \
-                 BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
+                "CREATE TRIGGER refuse BEFORE INSERT ON durability_fanout_exceptions \
+                 WHEN NEW.status = 'settled' BEGIN SELECT RAISE(ABORT, 'disk says no'); END;",
             )
             .unwrap();
         accepted(
@@ -2247,6 +2256,7 @@ async fn migrating_to_none_drops_the_fanout_tables_and_their_memos() {
         assert_eq!(
             report.rolled_back,
             vec![
+                "durability_0013_fanout_cursors",
                 "durability_0009_create_fanout_parked",
                 "durability_0005_create_fanout"
             ]

@@ -1,205 +1,232 @@
-//! Dispatch (§3.7, §3.8): one bounded pass per target, then one call of the
-//! target with the whole batch.
+//! Dispatch (§3.7, §3.8): what a pass of one target takes, and how it is
+//! handed over.
 //!
-//! A pass of one target never overlaps another pass of the same target in
-//! this instance (a second caller joins the running one), while different
-//! targets run concurrently, each holding one permit of the scheduler's
-//! pool; a slow or removed target cannot stop another, and the due queries
-//! are per target, so one target's backlog cannot hide another's work
-//! behind a global limit.
+//! A pass first takes the target's next first deliveries from its cursor:
+//! the messages of its due spans after `next_seq`, up to the batch size,
+//! claimed as one range in one small write to the cursor row (its attempt
+//! and deadline: a process that dies mid-batch leaves a claim that comes
+//! back at the deadline with the attempt counted, and is delivered again,
+//! never skipped). Then, in the same transaction, due exception rows
+//! (retries, dead-letter intent) fill the batch, each claimed by a
+//! compare-and-set on its attempt. First deliveries go before retries,
+//! each in sequence order. One call of the target gets the whole batch.
 //!
-//! Must not decide settlement rules (that is `settle`) or write SQL (that is
-//! `store`).
+//! A failing message never holds back its target's cursor: it leaves the
+//! cursor as an exception row and the cursor moves on (see `settle`).
+//!
+//! Must not decide settlement rules (that is `settle`, which `mod.rs` runs
+//! after the handover) or write SQL (that is `store`).
 
 use std::rc::Rc;
 use std::time::Duration;
 
-use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, StorageError};
+use durability_platform::EpochMs;
 use futures::future::{Either, join_all};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::sync::{oneshot, watch};
-use tracing::Instrument;
+use tokio::sync::oneshot;
 
-use super::error::{FanoutError, timeout_error};
-use super::message::{DeadLetterReason, FanoutMessage, StoredMessage};
-use super::settle::SettleState;
-use super::store::{self, DELIVERIES, DeliveryRow, Manifest, Phase};
+use super::batch::{Batch, Claim, ClaimedRange, Handover, SettleState};
+use super::error::FanoutError;
+use super::message::{FanoutMessage, StoredMessage};
+use super::store::{self, CursorClaim, DELIVERIES, Phase};
 use super::target::{DeliverFn, Target, TargetKind, WriteFn};
-use super::{INFRASTRUCTURE_RETRY_MS, Inner, MISSING_TARGET_POSTPONE_BATCH, entity};
+use super::{INFRASTRUCTURE_RETRY_MS, Inner, MISSING_TARGET_POSTPONE_BATCH};
 use crate::codec;
-use crate::error::{DurabilityError, HandlerError};
+use crate::error::HandlerError;
 use crate::lifecycle::LifecycleEvent;
 use crate::load::Direction;
 use crate::memo::Memo;
-use crate::record::DurableTable;
 use crate::retry::AttemptPolicy;
-use crate::scheduler::Participant;
 
-/// A delivery row claimed (or found terminal) by a pass, with what its
-/// manifest says about the message.
-pub(crate) struct Claim {
-    /// The row; after a claim, `attempt` is the claimed attempt.
-    pub row: DeliveryRow,
-    pub message_id: String,
-    /// The body in the stored encoding.
-    pub payload: String,
-    pub enqueued_at: EpochMs,
-}
-
-impl Claim {
-    fn new(row: DeliveryRow, manifest: Manifest) -> Self {
-        Claim {
-            row,
-            message_id: manifest.id,
-            payload: manifest.payload,
-            enqueued_at: manifest.created_at,
-        }
-    }
-}
-
-impl<B> Participant for Inner<B>
-where
-    B: Serialize + DeserializeOwned + 'static,
-{
-    fn table(&self) -> DurableTable {
-        DELIVERIES
-    }
-
-    fn run_due(
-        self: Rc<Self>,
-        _now: EpochMs,
-        _info: Option<AlarmInfo>,
-    ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
-        Box::pin(async move { self.run_due().await.map_err(DurabilityError::from) })
-    }
-}
-
-/// Marks a target's pass as running for as long as it lives; dropping it
-/// (the pass ended, or its task was dropped) lets the next pass start and
-/// wakes the passes that joined this one.
-struct RunningPass<B> {
-    inner: Rc<Inner<B>>,
-    target: String,
-    done: watch::Sender<bool>,
-}
-
-impl<B> Drop for RunningPass<B> {
-    fn drop(&mut self) {
-        self.inner.running.borrow_mut().remove(&self.target);
-        let _ = self.done.send(true);
-    }
-}
+/// Most spans of one target a pass looks at: enough for a batch made of
+/// many small enqueue calls, bounded so a pass stays a bounded read.
+const SPANS_PER_PASS: usize = 64;
 
 impl<B> Inner<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// One pass over every target that has delivery rows (configured or
-    /// not), the targets concurrently. Fails with the first failing target;
-    /// the others still finish.
-    pub(crate) async fn run_due(self: Rc<Self>) -> Result<(), FanoutError> {
-        let targets = self.list_targets()?;
-        let passes: Vec<_> = targets
-            .into_iter()
-            .map(|target| self.start_pass(target))
-            .collect();
-        for result in join_all(passes).await {
-            result?;
-        }
-        Ok(())
-    }
-
-    /// Every target id present in the deliveries table, in order.
-    fn list_targets(&self) -> Result<Vec<String>, StorageError> {
-        let sql = self.engine.sql();
-        let mut targets = Vec::new();
-        let mut after = String::new();
-        while let Some(next) = store::next_target(sql, &after)? {
-            targets.push(next.clone());
-            after = next;
-        }
-        Ok(targets)
-    }
-
-    /// Runs a pass of `target`, or joins the one already running.
-    fn start_pass(
-        self: &Rc<Self>,
-        target: String,
-    ) -> LocalBoxFuture<'static, Result<(), FanoutError>> {
-        let running = self.running.borrow().get(&target).cloned();
-        if let Some(mut done) = running {
-            return Box::pin(async move {
-                // An error means the running pass was dropped: over too.
-                let _ = done.wait_for(|done| *done).await;
-                Ok(())
-            });
-        }
-        let (done, receiver) = watch::channel(false);
-        self.running.borrow_mut().insert(target.clone(), receiver);
-        let guard = RunningPass {
-            inner: Rc::clone(self),
-            target: target.clone(),
-            done,
-        };
-        let inner = Rc::clone(self);
-        let span = tracing::info_span!(
-            "fanout_pass",
-            object = %self.engine.ctx.id(),
-            target = %target,
-        );
-        Box::pin(
-            async move {
-                let result = inner.run_target(&target).await;
-                drop(guard);
-                result
-            }
-            .instrument(span),
-        )
-    }
-
-    /// One bounded batch of one target.
-    async fn run_target(self: &Rc<Self>, target_id: &str) -> Result<(), FanoutError> {
-        let _permit = self.engine.acquire_permit().await?;
+    /// Claims the next batch of `target_id` in one transaction: first
+    /// deliveries from its cursor, then due exception rows.
+    pub(crate) async fn claim_batch(
+        &self,
+        target_id: &str,
+        policy: &AttemptPolicy,
+    ) -> Result<Batch, FanoutError> {
         let now = self.engine.now();
-        let Some(target) = self.targets.get(target_id) else {
-            return self.postpone_missing(target_id, now).await;
-        };
-        let due = store::list_due(self.engine.sql(), target_id, now, self.max_batch_size)?;
-        if due.is_empty() {
-            return Ok(());
-        }
-        let policy = self.policies.resolve(target_id);
-        let (claims, terminal) = self.claim(due, &policy).await?;
-        // Terminal rows were found, not claimed: they go to the DLQ (or are
-        // parked) and never to the target.
-        for claim in terminal {
-            let reason = claim
-                .row
-                .dead_letter_reason
-                .unwrap_or(DeadLetterReason::Exhausted);
-            self.settled_by_pass(
-                &claim.row,
-                self.dead_letter_flow(&claim, reason, None).await,
-            )?;
-        }
-        if !claims.is_empty() {
-            self.deliver(target, claims, &policy).await?;
-        }
-        Ok(())
+        let timeout_ms = EpochMs::try_from(policy.attempt_timeout_ms).unwrap_or(EpochMs::MAX);
+        let deadline = now.saturating_add(timeout_ms);
+        let limit = self.max_batch_size;
+        self.transaction(|sql| {
+            let mut batch = Batch {
+                claims: Vec::new(),
+                terminal: Vec::new(),
+                range: None,
+            };
+            if let Some(cursor) = store::read_cursor(sql, target_id)? {
+                match cursor.claim {
+                    // Out with this pass or another, or back at its deadline.
+                    Some(claim) if claim.deadline > now => {}
+                    // A claim that never finished (the process died, or
+                    // the pass failed): the same range again, one attempt
+                    // more, or straight to the dead letters when it used
+                    // its last one.
+                    Some(claim) => {
+                        let span =
+                            usize::try_from(claim.end.saturating_sub(cursor.next_seq)).unwrap_or(0);
+                        let messages = store::cursor_messages(
+                            sql,
+                            target_id,
+                            cursor.next_seq,
+                            claim.end - 1,
+                            span,
+                        )?;
+                        let exhausted = claim.attempt >= policy.max_attempts;
+                        let taken = if exhausted {
+                            claim
+                        } else {
+                            let again = CursorClaim {
+                                end: claim.end,
+                                attempt: claim.attempt + 1,
+                                deadline,
+                            };
+                            if !store::write_claim(
+                                sql,
+                                target_id,
+                                cursor.next_seq,
+                                claim.attempt,
+                                cursor.next_seq,
+                                again,
+                            )? {
+                                return Ok(batch);
+                            }
+                            again
+                        };
+                        batch.range = Some(ClaimedRange {
+                            from: cursor.next_seq,
+                            end: claim.end,
+                            attempt: taken.attempt,
+                        });
+                        for message in messages.into_iter().filter(|m| !m.excepted) {
+                            let row = store::cursor_delivery(&message.manifest, target_id, taken);
+                            let claim = Claim::new(row, message.manifest);
+                            if exhausted {
+                                batch.terminal.push(claim);
+                            } else {
+                                batch.claims.push(claim);
+                            }
+                        }
+                    }
+                    None if cursor.paused_until > now => {}
+                    None => {
+                        let spans = store::first_spans(sql, target_id, SPANS_PER_PASS)?;
+                        let due: Vec<_> = spans
+                            .iter()
+                            .take_while(|span| span.due_at <= now)
+                            .filter(|span| span.last_seq >= cursor.next_seq)
+                            .collect();
+                        if let (Some(first), Some(last)) = (due.first(), due.last()) {
+                            let from = first.first_seq.max(cursor.next_seq);
+                            let messages =
+                                store::cursor_messages(sql, target_id, from, last.last_seq, limit)?;
+                            let end = match messages.last() {
+                                Some(message) if messages.len() >= limit => {
+                                    message.manifest.seq + 1
+                                }
+                                _ => last.last_seq + 1,
+                            };
+                            let fresh: Vec<_> =
+                                messages.into_iter().filter(|m| !m.excepted).collect();
+                            let claim = CursorClaim {
+                                end,
+                                attempt: 1,
+                                deadline,
+                            };
+                            if fresh.is_empty() {
+                                // Nothing of the range is the cursor's to
+                                // deliver (every message already has a row):
+                                // the cursor simply passes it.
+                                store::advance_cursor(
+                                    sql,
+                                    target_id,
+                                    0,
+                                    cursor.next_seq,
+                                    end,
+                                    false,
+                                )?;
+                            } else if store::write_claim(
+                                sql,
+                                target_id,
+                                cursor.next_seq,
+                                0,
+                                from,
+                                claim,
+                            )? {
+                                batch.range = Some(ClaimedRange {
+                                    from,
+                                    end,
+                                    attempt: 1,
+                                });
+                                for message in fresh {
+                                    let row =
+                                        store::cursor_delivery(&message.manifest, target_id, claim);
+                                    batch.claims.push(Claim::new(row, message.manifest));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            let room = limit.saturating_sub(batch.claims.len() + batch.terminal.len());
+            if room == 0 {
+                return Ok(batch);
+            }
+            for mut row in store::retries_due(sql, target_id, now, room)? {
+                let manifest = store::read_manifest(sql, &row.message_key)?
+                    .filter(|manifest| manifest.generation == row.generation);
+                let Some(manifest) = manifest else {
+                    return Err(FanoutError::MissingManifest { delivery: row.id });
+                };
+                if row.phase == Phase::DeadLetter || row.attempt >= policy.max_attempts {
+                    batch.terminal.push(Claim::new(row, manifest));
+                    continue;
+                }
+                let Some(attempt) = store::claim(sql, &row, policy.max_attempts, deadline)? else {
+                    continue;
+                };
+                row.attempt = attempt;
+                row.next_attempt_at = deadline;
+                batch.claims.push(Claim::new(row, manifest));
+            }
+            Ok(batch)
+        })
+        .await
     }
 
-    /// A target that is no longer configured keeps its rows: its due rows
-    /// (delivery and dead-letter phase alike) come back in a minute, attempts
-    /// and errors untouched, until the target is configured again.
-    async fn postpone_missing(&self, target_id: &str, now: EpochMs) -> Result<(), FanoutError> {
-        let due = store::list_due(
-            self.engine.sql(),
-            target_id,
-            now,
-            MISSING_TARGET_POSTPONE_BATCH,
-        )?;
-        if due.is_empty() {
+    /// A target that is no longer configured keeps its work: its due
+    /// exception rows (at most [`MISSING_TARGET_POSTPONE_BATCH`] a pass)
+    /// and its cursor come back in a minute, attempts and errors untouched,
+    /// until the target is configured again.
+    pub(crate) async fn postpone_missing(&self, target_id: &str) -> Result<(), FanoutError> {
+        let now = self.engine.now();
+        let at = now.saturating_add(INFRASTRUCTURE_RETRY_MS);
+        let sql = self.engine.sql();
+        let due = store::retries_due(sql, target_id, now, MISSING_TARGET_POSTPONE_BATCH)?;
+        let cursor = store::read_cursor(sql, target_id)?;
+        let cursor_due = match &cursor {
+            Some(cursor) => match cursor.claim {
+                Some(claim) => claim.deadline <= now,
+                None => {
+                    cursor.paused_until <= now
+                        && store::first_spans(sql, target_id, 1)?
+                            .first()
+                            .is_some_and(|span| span.due_at <= now)
+                }
+            },
+            None => false,
+        };
+        if due.is_empty() && !cursor_due {
             return Ok(());
         }
         tracing::error!(
@@ -208,93 +235,65 @@ where
             rows = due.len(),
             "Target \"{target_id}\" is no longer configured; retaining work"
         );
-        let at = now.saturating_add(INFRASTRUCTURE_RETRY_MS);
         self.transaction(|sql| {
             for row in &due {
                 store::postpone(sql, &row.attempt_ref(), at)?;
             }
-            Ok::<_, StorageError>(())
-        })
-        .await?;
-        Ok(())
-    }
-
-    /// One transaction claims the whole batch (one commit per batch, not
-    /// per message): each claimed row's attempt goes up by one and its due
-    /// time becomes the batch deadline, so a process that dies mid-batch
-    /// leaves rows that come back at the deadline with the attempt counted.
-    /// Rows in dead-letter phase or out of attempts are returned as terminal,
-    /// unclaimed.
-    async fn claim(
-        &self,
-        due: Vec<DeliveryRow>,
-        policy: &AttemptPolicy,
-    ) -> Result<(Vec<Claim>, Vec<Claim>), FanoutError> {
-        let timeout_ms = EpochMs::try_from(policy.attempt_timeout_ms).unwrap_or(EpochMs::MAX);
-        let deadline = self.engine.now().saturating_add(timeout_ms);
-        self.transaction(|sql| {
-            let mut claims = Vec::with_capacity(due.len());
-            let mut terminal = Vec::new();
-            for mut row in due {
-                let manifest = store::read_manifest(sql, &row.message_key)?
-                    .filter(|manifest| manifest.generation == row.generation);
-                let Some(manifest) = manifest else {
-                    return Err(FanoutError::MissingManifest { delivery: row.id });
-                };
-                if row.phase == Phase::DeadLetter || row.attempt >= policy.max_attempts {
-                    terminal.push(Claim::new(row, manifest));
-                    continue;
+            if let Some(cursor) = cursor.filter(|_| cursor_due) {
+                match cursor.claim {
+                    Some(claim) => {
+                        store::write_claim(
+                            sql,
+                            target_id,
+                            cursor.next_seq,
+                            claim.attempt,
+                            cursor.next_seq,
+                            CursorClaim {
+                                deadline: at,
+                                ..claim
+                            },
+                        )?;
+                    }
+                    None => store::pause_cursor(sql, target_id, at)?,
                 }
-                let Some(attempt) = store::claim(sql, &row, policy.max_attempts, deadline)? else {
-                    continue;
-                };
-                row.attempt = attempt;
-                row.next_attempt_at = deadline;
-                claims.push(Claim::new(row, manifest));
             }
-            Ok((claims, terminal))
+            Ok::<_, FanoutError>(())
         })
         .await
     }
 
-    /// Hands the claimed batch to its target under the attempt timeout,
-    /// then retries every message that was not settled for good.
-    async fn deliver(
+    /// Hands the claimed batch to its target under the attempt timeout:
+    /// one call with the whole batch, then every settlement it started is
+    /// awaited. Settles nothing itself: `settle` reads the states after.
+    pub(crate) async fn hand_over(
         self: &Rc<Self>,
         target: &Target<B>,
-        claims: Vec<Claim>,
+        states: &[Rc<SettleState>],
         policy: &AttemptPolicy,
-    ) -> Result<(), FanoutError> {
+    ) -> Handover {
         let started_at = self.engine.now();
         let outbound = self.routing.begin(Direction::Outbound);
-        let states: Vec<Rc<SettleState>> = claims
-            .into_iter()
-            .map(|claim| Rc::new(SettleState::new(claim, policy.clone(), started_at)))
-            .collect();
-        for state in &states {
+        for state in states {
             let row = &state.claim.row;
             self.emit(|| LifecycleEvent::AttemptStarted {
-                entity: entity(&state.claim.message_id, &row.target_id, &row.generation),
+                entity: super::entity(&state.claim.message_id, &row.target_id, &row.generation),
                 timestamp: started_at,
                 attempt: row.attempt,
             });
         }
         let timeout_ms = policy.attempt_timeout_ms;
-        let work = self.invoke(target, &states);
+        let work = self.invoke(target, states);
         let deadline = self.engine.ctx.sleep(Duration::from_millis(timeout_ms));
         futures::pin_mut!(work);
-        let failure = match futures::future::select(work, deadline).await {
-            Either::Left((Ok(()), _)) => {
-                HandlerError::new("Consumer returned without settling the message")
-            }
-            Either::Left((Err(error), _)) => error,
-            Either::Right(((), _)) => timeout_error(timeout_ms),
+        let handover = match futures::future::select(work, deadline).await {
+            Either::Left((returned, _)) => Handover::Returned(returned),
+            Either::Right(((), _)) => Handover::TimedOut(timeout_ms),
         };
-        for state in &states {
+        for state in states {
             state.close();
         }
         outbound.finish();
-        self.retry_unsettled(&states, failure).await
+        handover
     }
 
     /// Calls the target and waits for every settlement it started. Also the
@@ -312,15 +311,9 @@ where
         for state in states {
             state.close();
         }
-        let acked_on_return = if invocation.is_ok() && target.ack_on_return {
-            self.ack_unsettled(states).await
-        } else {
-            Ok(())
-        };
         let started: Vec<_> = states.iter().filter_map(|state| state.pending()).collect();
         let settled = join_all(started).await;
         invocation?;
-        acked_on_return.map_err(|error| error.to_handler_error())?;
         for result in settled {
             result.map_err(|error| error.to_handler_error())?;
         }
@@ -375,8 +368,9 @@ where
         }
     }
 
-    /// A storage target: every message written concurrently and acked once
-    /// its write resolved; the first failure in batch order is the batch's.
+    /// A storage target: every message written concurrently and marked
+    /// written once its write resolved (the pass acks the written ones
+    /// together); the first failure in batch order is the batch's.
     async fn write_each(
         self: &Rc<Self>,
         write: &WriteFn<B>,
@@ -409,76 +403,10 @@ where
                     failure: None,
                 })
                 .await?;
-                inner
-                    .ack(&state)
-                    .await
-                    .map_err(|error| error.to_handler_error())
+                state.written.set(true);
+                Ok(())
             }
         });
         join_all(writes).await.into_iter().collect()
-    }
-
-    /// After the batch: every message not settled for good is retried with
-    /// `failure`, in batch order. A settlement still running keeps its row's
-    /// claim deadline (it comes back then if the settlement never lands); a
-    /// settlement that failed may have committed anyway, so the row is read
-    /// again before it is retried.
-    async fn retry_unsettled(
-        &self,
-        states: &[Rc<SettleState>],
-        failure: HandlerError,
-    ) -> Result<(), FanoutError> {
-        for state in states {
-            if state.is_completed() {
-                continue;
-            }
-            if state.has_outcome() {
-                if !state.is_finished() {
-                    continue;
-                }
-                let claimed = &state.claim.row;
-                let current = store::read_delivery(self.engine.sql(), &claimed.id)?;
-                let still_ours = current.is_some_and(|row| {
-                    row.generation == claimed.generation
-                        && row.attempt == claimed.attempt
-                        && row.phase == Phase::Delivery
-                });
-                if !still_ours {
-                    continue;
-                }
-            }
-            state.choose_retry();
-            let error = state
-                .failure_before_delivery()
-                .unwrap_or_else(|| failure.clone());
-            let result = self
-                .retry_rule(&state.claim, &state.policy, None, error, state.started_at)
-                .await;
-            self.settled_by_pass(&state.claim.row, result)?;
-        }
-        Ok(())
-    }
-
-    /// The outcome of a settlement a pass made itself: a row a newer attempt
-    /// already owns is that attempt's business, not a failure of this pass.
-    fn settled_by_pass(
-        &self,
-        row: &DeliveryRow,
-        result: Result<(), super::SettlementError>,
-    ) -> Result<(), FanoutError> {
-        match result {
-            Ok(()) => Ok(()),
-            Err(super::SettlementError::Storage(error)) => Err(error.into()),
-            Err(other) => {
-                tracing::warn!(
-                    delivery = %row.id,
-                    generation = %row.generation,
-                    attempt = row.attempt,
-                    error = %other,
-                    "a newer attempt owns the delivery; left to it"
-                );
-                Ok(())
-            }
-        }
     }
 }

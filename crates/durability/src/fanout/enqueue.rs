@@ -17,7 +17,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use super::error::{EnqueueRejection, FanoutError};
-use super::store::{self, Manifest, json_pair};
+use super::store::{self, Manifest};
 use super::{Fanout, Inner, entity};
 use crate::codec;
 use crate::lifecycle::LifecycleEvent;
@@ -349,6 +349,11 @@ where
     ) -> Result<Vec<Registered>, RegisterError> {
         self.transaction(|sql| {
             let mut registered = Vec::new();
+            let first_seq = store::read_next_seq(sql)?;
+            let mut next_seq = first_seq;
+            // Consecutive messages with one target set and one due time
+            // share a span per target: one row per call and target.
+            let mut spans: Vec<(Rc<TargetSet>, i64, i64, EpochMs)> = Vec::new();
             for entry in prepare(sql)? {
                 if let Some(existing) = store::read_manifest(sql, &entry.key)? {
                     if existing.id != entry.id
@@ -362,9 +367,10 @@ where
                     continue;
                 }
                 let created_at = self.engine.now();
+                let seq = next_seq;
+                next_seq += 1;
                 let manifest = Manifest {
-                    seq: store::next_seq(sql)?,
-                    remaining: i64::try_from(entry.targets.ids.len()).unwrap_or(i64::MAX),
+                    seq,
                     targets: entry.targets.json.clone(),
                     key: entry.key,
                     id: entry.id,
@@ -374,12 +380,15 @@ where
                 };
                 store::insert_manifest(sql, &manifest)?;
                 let due_at = self.first_attempt_at(created_at);
-                for target in &entry.targets.ids {
-                    if !store::insert_delivery(sql, &manifest, target, due_at)? {
-                        return Err(RegisterError::Failed(FanoutError::StateDisagrees {
-                            delivery: json_pair(&manifest.key, target),
-                        }));
+                match spans.last_mut() {
+                    Some((targets, _, last, due))
+                        if targets.json == entry.targets.json && *due == due_at =>
+                    {
+                        *last = seq;
                     }
+                    _ => spans.push((Rc::clone(&entry.targets), seq, seq, due_at)),
+                }
+                for target in &entry.targets.ids {
                     self.adjust_pending(1);
                     registered.push(Registered {
                         message_id: manifest.id.clone(),
@@ -388,6 +397,15 @@ where
                         created_at,
                     });
                 }
+            }
+            for (targets, first, last, due_at) in &spans {
+                for target in &targets.ids {
+                    store::ensure_cursor(sql, target)?;
+                    store::insert_span(sql, target, *first, *last, *due_at)?;
+                }
+            }
+            if next_seq != first_seq {
+                store::store_next_seq(sql, next_seq)?;
             }
             Ok(registered)
         })

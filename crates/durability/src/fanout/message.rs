@@ -16,8 +16,8 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::Inner;
+use super::batch::SettleState;
 use super::error::SettlementError;
-use super::settle::SettleState;
 use crate::error::SerializedError;
 use crate::memo::Memo;
 
@@ -187,7 +187,7 @@ impl<B> FanoutMessage<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// Marks the message delivered: its row is removed in one transaction.
+    /// Marks the message delivered, in one transaction.
     pub fn ack(&self) -> Settling {
         self.fanout.ack(&self.state)
     }

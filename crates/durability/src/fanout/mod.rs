@@ -85,6 +85,7 @@
 //!
 //! Owns the `durability_fanout_*` tables; all their SQL is in `store`.
 
+mod batch;
 mod dispatch;
 mod enqueue;
 mod error;
@@ -111,10 +112,14 @@ use std::future::Future;
 use std::rc::Rc;
 use std::time::Duration;
 
-use durability_platform::{AlarmInfo, EpochMs, MAX_SAFE_INTEGER, Sql, Storage, StorageError};
+use durability_platform::{
+    AlarmInfo, EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, Sql, Storage, StorageError,
+};
+use futures::future::join_all;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use crate::error::{ConfigError, DurabilityError, HandlerError};
 use crate::lifecycle::{Emitter, Entity, HookRegistration, LifecycleEvent, LifecycleHook};
@@ -122,8 +127,10 @@ use crate::load::{Load, LoadSnapshot};
 use crate::migrations::{
     self, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationReport, MigrationTarget,
 };
+use crate::record::DurableTable;
 use crate::retry::{Delay, Policies, PolicyOptions};
-use crate::scheduler::{Engine, Scheduler};
+use crate::scheduler::{Engine, Participant, Scheduler};
+use batch::SettleState;
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
 
@@ -444,7 +451,7 @@ impl<B> Inner<B> {
         if let Some(count) = self.pending.get() {
             return Ok(count);
         }
-        let count = store::count_deliveries(self.engine.sql())?;
+        let count = store::count_owed(self.engine.sql())?;
         self.pending.set(Some(count));
         Ok(count)
     }
@@ -473,5 +480,147 @@ fn entity(message_id: &str, target: &str, generation: &str) -> Entity {
         id: message_id.to_owned(),
         target: target.to_owned(),
         generation: generation.to_owned(),
+    }
+}
+
+/// The scheduler sees fanout as one participant: its due time is the
+/// earliest of its exception rows and its cursors (`store::next_due`).
+impl<B> Participant for Inner<B>
+where
+    B: Serialize + DeserializeOwned + 'static,
+{
+    fn table(&self) -> DurableTable {
+        DELIVERIES
+    }
+
+    fn run_due(
+        self: Rc<Self>,
+        _now: EpochMs,
+        _info: Option<AlarmInfo>,
+    ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
+        Box::pin(async move { self.run_due().await.map_err(DurabilityError::from) })
+    }
+
+    fn custom_next_pending_at(
+        &self,
+        sql: &dyn Sql,
+    ) -> Option<Result<Option<EpochMs>, StorageError>> {
+        Some(store::next_due(sql))
+    }
+}
+
+/// Marks a target's pass as running for as long as it lives; dropping it
+/// (the pass ended, or its task was dropped) lets the next pass start and
+/// wakes the passes that joined this one.
+struct RunningPass<B> {
+    inner: Rc<Inner<B>>,
+    target: String,
+    done: watch::Sender<bool>,
+}
+
+impl<B> Drop for RunningPass<B> {
+    fn drop(&mut self) {
+        self.inner.running.borrow_mut().remove(&self.target);
+        let _ = self.done.send(true);
+    }
+}
+
+/// The wiring of a pass: `dispatch` claims and hands over, `settle` ends
+/// the batch; neither calls the other.
+///
+/// A pass of one target never overlaps another pass of the same target in
+/// this instance (a second caller joins the running one), while different
+/// targets run concurrently, each holding one permit of the scheduler's
+/// pool; a slow or removed target cannot stop another, and every query is
+/// per target, so one target's backlog cannot hide another's work behind a
+/// global limit. A per-target gate (flow control) belongs in
+/// [`Inner::run_target`], before the claim: a pass it holds back claims
+/// nothing and leaves the target's cursor where it is.
+impl<B> Inner<B>
+where
+    B: Serialize + DeserializeOwned + 'static,
+{
+    /// One pass over every target that has a cursor (configured or not),
+    /// the targets concurrently. Fails with the first failing target; the
+    /// others still finish.
+    pub(crate) async fn run_due(self: Rc<Self>) -> Result<(), FanoutError> {
+        let targets = store::list_targets(self.engine.sql())?;
+        let passes: Vec<_> = targets
+            .into_iter()
+            .map(|target| self.start_pass(target))
+            .collect();
+        for result in join_all(passes).await {
+            result?;
+        }
+        Ok(())
+    }
+
+    /// Runs a pass of `target`, or joins the one already running.
+    fn start_pass(
+        self: &Rc<Self>,
+        target: String,
+    ) -> LocalBoxFuture<'static, Result<(), FanoutError>> {
+        let running = self.running.borrow().get(&target).cloned();
+        if let Some(mut done) = running {
+            return Box::pin(async move {
+                // An error means the running pass was dropped: over too.
+                let _ = done.wait_for(|done| *done).await;
+                Ok(())
+            });
+        }
+        let (done, receiver) = watch::channel(false);
+        self.running.borrow_mut().insert(target.clone(), receiver);
+        let guard = RunningPass {
+            inner: Rc::clone(self),
+            target: target.clone(),
+            done,
+        };
+        let inner = Rc::clone(self);
+        let span = tracing::info_span!(
+            "fanout_pass",
+            object = %self.engine.ctx.id(),
+            target = %target,
+        );
+        Box::pin(
+            async move {
+                let result = inner.run_target(&target).await;
+                drop(guard);
+                result
+            }
+            .instrument(span),
+        )
+    }
+
+    /// One bounded batch of one target: claim, hand over, settle.
+    async fn run_target(self: &Rc<Self>, target_id: &str) -> Result<(), FanoutError> {
+        let _permit = self.engine.acquire_permit().await?;
+        let Some(target) = self.targets.get(target_id) else {
+            return self.postpone_missing(target_id).await;
+        };
+        let policy = self.policies.resolve(target_id);
+        let batch = self.claim_batch(target_id, &policy).await?;
+        if batch.claims.is_empty() && batch.terminal.is_empty() && batch.range.is_none() {
+            return Ok(());
+        }
+        let started_at = self.engine.now();
+        let states: Vec<Rc<SettleState>> = batch
+            .claims
+            .into_iter()
+            .map(|claim| Rc::new(SettleState::new(claim, policy.clone(), started_at)))
+            .collect();
+        let handover = if states.is_empty() {
+            None
+        } else {
+            Some(self.hand_over(target, &states, &policy).await)
+        };
+        self.finish_batch(
+            target_id,
+            Some(target),
+            &states,
+            batch.terminal,
+            batch.range,
+            handover,
+        )
+        .await
     }
 }

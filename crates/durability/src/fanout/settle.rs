@@ -12,104 +12,39 @@
 //! The dead-letter flow persists its intent before any external I/O: once
 //! a delivery is decided terminal, a crash or a timeout can repeat the DLQ
 //! write but can never turn the decision back into a consumer delivery.
+//!
+//! After the target's turn ([`Inner::finish_batch`]) this module ends the
+//! batch: acks on return (for a cursor's range, one write that moves the
+//! cursor past the whole batch), acks a storage target's written messages,
+//! retries the unsettled ones, dead-letters the terminal ones, and finally
+//! moves the cursor past everything of its range that is settled or has
+//! become an exception row. A settlement still running keeps the rest of
+//! the range claimed: it comes back at the claim's deadline, minus what
+//! has a row by then.
+//!
+//! Must not claim or hand over (that is `dispatch`) or write SQL (that is
+//! `store`).
 
-use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::rc::Rc;
 use std::time::Duration;
 
 use durability_platform::{EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, StorageError};
 use futures::FutureExt;
-use futures::future::{Either, Shared};
+use futures::future::Either;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::dispatch::Claim;
-use super::error::{SettlementError, timeout_error};
+use super::batch::{Claim, ClaimedRange, Handover, SettleState, SharedSettlement};
+use super::error::{FanoutError, SettlementError, timeout_error};
 use super::message::{DeadLetterReason, Failure, SettlementOutcome, Settling, StoredMessage};
-use super::store::{self, ParkedRow};
+use super::store::{self, DeliveryRow, Lane, ParkedRow, Phase};
+use super::target::{Target, TargetKind};
 use super::{INFRASTRUCTURE_RETRY, INFRASTRUCTURE_RETRY_MS, Inner, entity};
 use crate::codec;
 use crate::error::{HandlerError, SerializedError};
 use crate::lifecycle::{LifecycleEvent, Outcome, TerminalReason};
 use crate::retry::{AttemptPolicy, decide_retry};
-
-type SharedSettlement = Shared<LocalBoxFuture<'static, Result<(), SettlementError>>>;
-
-/// The settlement of one message in one delivery, in memory.
-pub(crate) struct SettleState {
-    pub(crate) claim: Claim,
-    /// The target's policy when the batch was claimed.
-    pub(crate) policy: AttemptPolicy,
-    /// When the batch was handed to the target.
-    pub(crate) started_at: EpochMs,
-    /// No settlement call is accepted any more (the target returned, timed
-    /// out, or the message never reached it).
-    closed: Cell<bool>,
-    /// The binding settlement, once one was chosen.
-    outcome: Cell<Option<SettlementOutcome>>,
-    /// The chosen settlement's action ended (well or not).
-    finished: Cell<bool>,
-    /// The chosen settlement's action committed.
-    completed: Cell<bool>,
-    /// The chosen settlement's action, shared by the caller and the pass.
-    pending: RefCell<Option<SharedSettlement>>,
-    /// Why the message could not even be handed to its target.
-    failed_before_delivery: RefCell<Option<HandlerError>>,
-}
-
-impl SettleState {
-    pub(crate) fn new(claim: Claim, policy: AttemptPolicy, started_at: EpochMs) -> Self {
-        SettleState {
-            claim,
-            policy,
-            started_at,
-            closed: Cell::new(false),
-            outcome: Cell::new(None),
-            finished: Cell::new(false),
-            completed: Cell::new(false),
-            pending: RefCell::new(None),
-            failed_before_delivery: RefCell::new(None),
-        }
-    }
-
-    pub(crate) fn close(&self) {
-        self.closed.set(true);
-    }
-
-    pub(crate) fn has_outcome(&self) -> bool {
-        self.outcome.get().is_some()
-    }
-
-    pub(crate) fn is_finished(&self) -> bool {
-        self.finished.get()
-    }
-
-    pub(crate) fn is_completed(&self) -> bool {
-        self.completed.get()
-    }
-
-    /// The pass retries the message itself.
-    pub(crate) fn choose_retry(&self) {
-        self.outcome.set(Some(SettlementOutcome::Retry));
-    }
-
-    /// The action of the settlement chosen so far, if one was started.
-    pub(crate) fn pending(&self) -> Option<SharedSettlement> {
-        self.pending.borrow().clone()
-    }
-
-    /// The message is not handed to its target; the pass retries it with
-    /// `error`.
-    pub(crate) fn fail_before_delivery(&self, error: HandlerError) {
-        self.closed.set(true);
-        *self.failed_before_delivery.borrow_mut() = Some(error);
-    }
-
-    pub(crate) fn failure_before_delivery(&self) -> Option<HandlerError> {
-        self.failed_before_delivery.borrow().clone()
-    }
-}
 
 impl<B> Inner<B>
 where
@@ -232,13 +167,12 @@ where
         )
     }
 
-    /// Deletes a delivery its attempt still owns, with its memos, its share
-    /// of the manifest and its place in the pending count.
+    /// Ends a delivery its attempt still owns, with its memos and its place
+    /// in the pending count.
     async fn remove(&self, claim: &Claim) -> Result<(), SettlementError> {
         let removed = self
             .transaction(|sql| {
-                let removed =
-                    store::remove_delivery(sql, &claim.row.attempt_ref(), &claim.row.message_key)?;
+                let removed = store::remove_delivery(sql, &claim.row)?;
                 if removed {
                     self.adjust_pending(-1);
                 }
@@ -254,53 +188,271 @@ where
         }
     }
 
-    /// `ack_on_return`: acks every message still unsettled in one
-    /// transaction. A row a later attempt already reclaimed stays with that
-    /// attempt and is not reported. If the transaction fails, the messages
-    /// are "finished, not completed", and the pass reads them again before
-    /// retrying them.
-    pub(crate) async fn ack_unsettled(
+    /// Acks `acked` (unsettled messages of a target that acks on return,
+    /// and a storage target's written ones) in one transaction. When every
+    /// other delivery of the batch's cursor range already settled for good,
+    /// the same transaction moves the cursor past the whole range: the
+    /// common path costs one small write per batch and nothing per
+    /// message. Otherwise each cursor delivery gets its tombstone. An
+    /// exception row is removed; one a later attempt already reclaimed
+    /// stays with that attempt and is not reported. If the transaction
+    /// fails, the messages are "finished, not completed", and the pass
+    /// reads them again before retrying them.
+    async fn ack_together(
         &self,
         states: &[Rc<SettleState>],
-    ) -> Result<(), SettlementError> {
-        // A message that never reached the consumer (its body did not
-        // decode) was not handled by this return: it stays a failed attempt.
-        let unsettled: Vec<&Rc<SettleState>> = states
-            .iter()
-            .filter(|state| {
-                state.outcome.get().is_none() && state.failed_before_delivery.borrow().is_none()
+        acked: &[&Rc<SettleState>],
+        range: Option<ClaimedRange>,
+        target_id: &str,
+    ) -> Result<bool, SettlementError> {
+        if acked.is_empty() {
+            return Ok(false);
+        }
+        for state in acked {
+            state.choose(SettlementOutcome::Ack);
+        }
+        let acked_ids: HashSet<&str> = acked.iter().map(|s| s.claim.row.id.as_str()).collect();
+        let whole_range = range.filter(|_| {
+            states.iter().all(|state| {
+                state.claim.row.lane != Lane::Cursor
+                    || state.is_completed()
+                    || acked_ids.contains(state.claim.row.id.as_str())
             })
-            .collect();
-        if unsettled.is_empty() {
-            return Ok(());
-        }
-        for state in &unsettled {
-            state.outcome.set(Some(SettlementOutcome::Ack));
-        }
-        let removed = self
+        });
+        let result = self
             .transaction(|sql| {
                 let mut removed = HashSet::new();
-                for state in &unsettled {
+                let mut moved = false;
+                if let Some(claimed) = whole_range {
+                    moved = store::advance_cursor(
+                        sql,
+                        target_id,
+                        claimed.attempt,
+                        claimed.from,
+                        claimed.end,
+                        false,
+                    )?
+                    .moved;
+                }
+                for state in acked {
                     let row = &state.claim.row;
-                    if store::remove_delivery(sql, &row.attempt_ref(), &row.message_key)? {
+                    let gone = if row.lane == Lane::Cursor && moved {
+                        crate::memo::delete_memos(sql, store::DELIVERIES, &row.id)?;
+                        true
+                    } else {
+                        store::remove_delivery(sql, row)?
+                    };
+                    if gone {
                         self.adjust_pending(-1);
                         removed.insert(row.id.as_str());
                     }
                 }
-                Ok::<_, StorageError>(removed)
+                Ok::<_, StorageError>((removed, moved))
             })
             .await;
-        for state in &unsettled {
+        for state in acked {
             state.finished.set(true);
         }
-        let removed = removed?;
-        for state in &unsettled {
+        let (removed, moved) = result?;
+        for state in acked {
             if removed.contains(state.claim.row.id.as_str()) {
                 state.completed.set(true);
                 self.emit_completed(state);
             }
         }
+        Ok(moved)
+    }
+
+    /// Ends the batch after the target's turn: acks on return or a storage
+    /// target's writes, retries what is left unsettled, dead-letters the
+    /// terminal deliveries, then moves the cursor past its range.
+    pub(crate) async fn finish_batch(
+        &self,
+        target_id: &str,
+        target: Option<&Target<B>>,
+        states: &[Rc<SettleState>],
+        terminal: Vec<Claim>,
+        mut range: Option<ClaimedRange>,
+        handover: Option<Handover>,
+    ) -> Result<(), FanoutError> {
+        // The range moves with the acks only if nothing of it is left to
+        // dead-letter first.
+        let movable = range.filter(|_| terminal.iter().all(|c| c.row.lane != Lane::Cursor));
+        let failure = match handover {
+            None => None,
+            Some(Handover::TimedOut(ms)) => Some(timeout_error(ms)),
+            Some(Handover::Returned(Err(error))) => Some(error),
+            Some(Handover::Returned(Ok(()))) => {
+                let acks_on_return = target.is_some_and(|target| {
+                    target.ack_on_return && matches!(target.kind, TargetKind::Consumer { .. })
+                });
+                let mut failure =
+                    HandlerError::new("Consumer returned without settling the message");
+                if acks_on_return {
+                    let unsettled: Vec<&Rc<SettleState>> =
+                        states.iter().filter(|state| state.is_unsettled()).collect();
+                    match self
+                        .ack_together(states, &unsettled, movable, target_id)
+                        .await
+                    {
+                        Ok(true) => range = None,
+                        Ok(false) => {}
+                        Err(error) => failure = error.to_handler_error(),
+                    }
+                }
+                Some(failure)
+            }
+        };
+        // A storage target's written messages are acked together, whether
+        // or not the rest of the batch made it.
+        let written: Vec<&Rc<SettleState>> = states
+            .iter()
+            .filter(|state| state.written.get() && state.outcome.get().is_none())
+            .collect();
+        let mut written_failure = None;
+        match self
+            .ack_together(states, &written, movable.and(range), target_id)
+            .await
+        {
+            Ok(true) => range = None,
+            Ok(false) => {}
+            Err(error) => written_failure = Some(error.to_handler_error()),
+        }
+        if let Some(failure) = written_failure.or(failure) {
+            self.retry_unsettled(states, failure).await?;
+        }
+        // Terminal deliveries were found, not claimed: they go to the DLQ
+        // (or are parked) and never to the target.
+        for claim in terminal {
+            let reason = claim
+                .row
+                .dead_letter_reason
+                .unwrap_or(DeadLetterReason::Exhausted);
+            let result = self.dead_letter_flow(&claim, reason, None).await;
+            self.settled_by_pass(&claim.row, result)?;
+        }
+        if let Some(claimed) = range {
+            self.finish_range(target_id, states, claimed).await?;
+        }
         Ok(())
+    }
+
+    /// Moves the cursor past its claimed range, or, while a settlement of
+    /// one of its deliveries is still running, up to that delivery (the
+    /// rest of the range stays claimed and comes back at its deadline).
+    async fn finish_range(
+        &self,
+        target_id: &str,
+        states: &[Rc<SettleState>],
+        claimed: ClaimedRange,
+    ) -> Result<(), FanoutError> {
+        let running = states
+            .iter()
+            .filter(|state| state.claim.row.lane == Lane::Cursor)
+            .filter(|state| state.has_outcome() && !state.is_finished())
+            .map(|state| state.claim.row.seq)
+            .min();
+        let (to, keep_claim) = match running {
+            Some(seq) => (seq, true),
+            None => (claimed.end, false),
+        };
+        if to <= claimed.from && keep_claim {
+            return Ok(());
+        }
+        let advance = self
+            .transaction(|sql| {
+                store::advance_cursor(
+                    sql,
+                    target_id,
+                    claimed.attempt,
+                    claimed.from,
+                    to,
+                    keep_claim,
+                )
+            })
+            .await?;
+        if !advance.moved {
+            tracing::warn!(
+                target = target_id,
+                from = claimed.from,
+                attempt = claimed.attempt,
+                "the cursor moved on without this pass; left as it is"
+            );
+        }
+        Ok(())
+    }
+
+    /// Every message not settled for good is retried with `failure`, in
+    /// batch order. A settlement still running keeps its claim (it comes
+    /// back at the deadline if the settlement never lands); a settlement
+    /// that failed may have committed anyway, so the delivery is read
+    /// again before it is retried.
+    async fn retry_unsettled(
+        &self,
+        states: &[Rc<SettleState>],
+        failure: HandlerError,
+    ) -> Result<(), FanoutError> {
+        for state in states {
+            if state.is_completed() {
+                continue;
+            }
+            if state.has_outcome() {
+                if !state.is_finished() {
+                    continue;
+                }
+                let claimed = &state.claim.row;
+                let sql = self.engine.sql();
+                let still_ours = match store::read_delivery(sql, &claimed.id)? {
+                    Some(row) => {
+                        row.generation == claimed.generation
+                            && row.attempt == claimed.attempt
+                            && row.phase == Phase::Delivery
+                    }
+                    // A delivery still on its cursor has no row until it
+                    // settles; with none (not even a tombstone), the
+                    // settlement did not commit.
+                    None => claimed.lane == Lane::Cursor && !store::has_row(sql, &claimed.id)?,
+                };
+                if !still_ours {
+                    continue;
+                }
+            }
+            state.choose(SettlementOutcome::Retry);
+            let error = state
+                .failure_before_delivery()
+                .unwrap_or_else(|| failure.clone());
+            let result = self
+                .retry_rule(&state.claim, &state.policy, None, error, state.started_at)
+                .await;
+            state.finished.set(true);
+            state.completed.set(result.is_ok());
+            self.settled_by_pass(&state.claim.row, result)?;
+        }
+        Ok(())
+    }
+
+    /// The outcome of a settlement a pass made itself: a delivery a newer
+    /// attempt already owns is that attempt's business, not a failure of
+    /// this pass.
+    fn settled_by_pass(
+        &self,
+        row: &DeliveryRow,
+        result: Result<(), SettlementError>,
+    ) -> Result<(), FanoutError> {
+        match result {
+            Ok(()) => Ok(()),
+            Err(SettlementError::Storage(error)) => Err(error.into()),
+            Err(other) => {
+                tracing::warn!(
+                    delivery = %row.id,
+                    generation = %row.generation,
+                    attempt = row.attempt,
+                    error = %other,
+                    "a newer attempt owns the delivery; left to it"
+                );
+                Ok(())
+            }
+        }
     }
 
     /// The retry rule, shared by `retry()` and unsettled messages: a
@@ -360,9 +512,7 @@ where
         };
         let serialized = error.serialize();
         let scheduled = self
-            .transaction(|sql| {
-                store::schedule_retry(sql, &row.attempt_ref(), next_attempt_at, &serialized)
-            })
+            .transaction(|sql| store::schedule_retry(sql, row, next_attempt_at, &serialized))
             .await?;
         if !scheduled {
             return Err(SettlementError::Stale { id: row.id.clone() });
@@ -423,7 +573,7 @@ where
             .transaction(|sql| {
                 store::persist_dead_letter_intent(
                     sql,
-                    &row.attempt_ref(),
+                    row,
                     timestamp,
                     reason,
                     now.saturating_add(INFRASTRUCTURE_RETRY_MS),
@@ -503,7 +653,7 @@ where
         };
         let removed = self
             .transaction(|sql| {
-                if !store::remove_delivery(sql, &row.attempt_ref(), &row.message_key)? {
+                if !store::remove_delivery(sql, row)? {
                     return Ok(false);
                 }
                 self.adjust_pending(-1);
