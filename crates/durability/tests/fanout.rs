@@ -2498,3 +2498,243 @@ async fn an_undecodable_body_for_a_storage_target_fails_with_its_own_decode_erro
     })
     .await;
 }
+
+// ---------------------------------------------------------------------------
+// Per-target cursors, rows only for exceptions (issue 13)
+
+/// A database of the layout before migration 0013, with a delivery in
+/// every state it had: first deliveries (`f`, to a and b), a retry waiting
+/// with a memo (`r`), dead-letter intent whose DLQ write is owed (`d` to b;
+/// a already acked it), a claim in flight of a dead process (`i`), and a
+/// parked entry.
+const OLD_LAYOUT_ROWS: &str = "
+INSERT INTO durability_fanout_messages (key, id, payload, targets, remaining, seq, created_at, generation_id) VALUES
+  ('f', 'f', '{\"kind\":\"value\",\"value\":\"body of f\"}', '[\"a\",\"b\"]', 2, 0, 999000, 'gf'),
+  ('r', 'r', '{\"kind\":\"value\",\"value\":\"body of r\"}', '[\"a\"]', 1, 1, 999000, 'gr'),
+  ('d', 'd', '{\"kind\":\"value\",\"value\":\"body of d\"}', '[\"a\",\"b\"]', 1, 2, 999000, 'gd'),
+  ('i', 'i', '{\"kind\":\"value\",\"value\":\"body of i\"}', '[\"b\"]', 1, 3, 999000, 'gi');
+INSERT INTO durability_fanout_deliveries (id, message_key, target_id, seq, status, phase, attempt, next_attempt_at, last_error, last_error_name, created_at, generation_id, dead_lettered_at, dead_letter_reason) VALUES
+  ('[\"f\",\"a\"]', 'f', 'a', 0, 'pending', 'delivery', 0, 999000, NULL, NULL, 999000, 'gf', NULL, NULL),
+  ('[\"f\",\"b\"]', 'f', 'b', 0, 'pending', 'delivery', 0, 999000, NULL, NULL, 999000, 'gf', NULL, NULL),
+  ('[\"r\",\"a\"]', 'r', 'a', 1, 'pending', 'delivery', 2, 1000500, 'busy', 'Error', 999000, 'gr', NULL, NULL),
+  ('[\"d\",\"b\"]', 'd', 'b', 2, 'pending', 'dead_letter', 1, 999500, 'bad', 'Error', 999000, 'gd', 999400, 'explicit'),
+  ('[\"i\",\"b\"]', 'i', 'b', 3, 'pending', 'delivery', 1, 1200000, NULL, NULL, 999000, 'gi', NULL, NULL);
+UPDATE durability_fanout_seq SET next_seq = 4;
+INSERT INTO durability_fanout_parked (id, message_id, message_key, target_id, payload, enqueued_at, parked_at, attempts, reason, error_name, error_message) VALUES
+  ('[\"gp\",\"a\"]', 'p', 'p', 'a', '{\"kind\":\"value\",\"value\":\"body of p\"}', 998000, 998500, 5, 'exhausted', 'Error', 'gone');
+INSERT INTO durability_memos (record_table, record_key, memo_key, generation_id, value, created_at) VALUES
+  ('durability_fanout_deliveries', '[\"r\",\"a\"]', 'charge', 'gr', '{\"kind\":\"value\",\"value\":7}', 999100);
+";
+
+const OLD_DELIVERIES: &str = "SELECT id, message_key, target_id, seq, status, phase, attempt, \
+     next_attempt_at, last_error, last_error_name, created_at, generation_id, dead_lettered_at, \
+     dead_letter_reason FROM durability_fanout_deliveries ORDER BY id";
+
+fn rows(ctx: &dyn Context, sql: &str) -> Vec<Vec<durability::platform::Value>> {
+    ctx.storage()
+        .query(sql, &[])
+        .unwrap()
+        .iter()
+        .map(|row| row.values().to_vec())
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn migration_0013_carries_every_old_delivery_over_once_and_its_down_script_back() {
+    use durability::migrations::{MEMOS_CAPABILITY, MigrationTarget, migrate};
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let before_cursors = MigrationTarget::Named("durability_0009_create_fanout_parked".into());
+        Fanout::<String>::migrate(ctx.storage(), before_cursors.clone()).unwrap();
+        migrate(
+            ctx.storage(),
+            MEMOS_CAPABILITY,
+            durability::memo::MEMO_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        ctx.storage().execute_script(OLD_LAYOUT_ROWS).unwrap();
+        let old_deliveries = rows(&*ctx, OLD_DELIVERIES);
+        let old_messages = rows(
+            &*ctx,
+            "SELECT * FROM durability_fanout_messages ORDER BY key",
+        );
+        let parked = table_snapshot(&*ctx, "durability_fanout_parked");
+        let memos = table_snapshot(&*ctx, "durability_memos");
+
+        // Up: every owed delivery is there once, exactly as it was.
+        let report = Fanout::<String>::migrate(ctx.storage(), MigrationTarget::Latest).unwrap();
+        assert_eq!(report.applied, vec!["durability_0013_fanout_cursors"]);
+        assert_eq!(rows(&*ctx, OLD_DELIVERIES), old_deliveries);
+        assert_eq!(
+            rows(
+                &*ctx,
+                "SELECT key, id, payload, targets, seq, created_at, generation_id \
+                 FROM durability_fanout_messages ORDER BY key"
+            ),
+            old_messages
+                .iter()
+                .map(|m| [&m[..4], &m[5..]].concat())
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(table_snapshot(&*ctx, "durability_fanout_parked"), parked);
+        assert_eq!(table_snapshot(&*ctx, "durability_memos"), memos);
+
+        // Down: the old layout, row for row.
+        let report = Fanout::<String>::migrate(ctx.storage(), before_cursors).unwrap();
+        assert_eq!(report.rolled_back, vec!["durability_0013_fanout_cursors"]);
+        assert_eq!(rows(&*ctx, OLD_DELIVERIES), old_deliveries);
+        assert_eq!(
+            rows(
+                &*ctx,
+                "SELECT * FROM durability_fanout_messages ORDER BY key"
+            ),
+            old_messages
+        );
+        assert_eq!(table_snapshot(&*ctx, "durability_memos"), memos);
+
+        // Up again by building the fanout, and drain: each delivery once,
+        // its attempt counting on, the memo reused, the dead letter to the
+        // DLQ without its consumer, the parked entry kept.
+        let scheduler = scheduler(&h);
+        let charged = Rc::new(Cell::new(0));
+        let (a, b, dlq) = (Batches::default(), Batches::default(), Store::default());
+        let (a_log, charges) = (a.clone(), Rc::clone(&charged));
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "a",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    a_log.record(&batch);
+                    let charges = Rc::clone(&charges);
+                    async move {
+                        for message in &batch {
+                            let charged: i64 = message
+                                .memo
+                                .memoize("charge", async {
+                                    charges.set(charges.get() + 1);
+                                    Ok::<_, HandlerError>(99)
+                                })
+                                .await
+                                .map_err(|e| HandlerError::new(format!("{e:?}")))?;
+                            if message.id == "r" {
+                                assert_eq!(charged, 7, "the carried memo");
+                            }
+                        }
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .ack_on_return(true),
+            )
+            .target("b", acking(&b))
+            .dlq(dlq.writer())
+            .build()
+            .unwrap();
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 5);
+        // The alarm the old layout had armed fires (rows written straight
+        // into the file armed none).
+        scheduler.alarm(None).await.unwrap();
+        sleep_ms(300_000).await;
+        assert_eq!(
+            a.all(),
+            vec![vec![("f".to_owned(), 1)], vec![("r".to_owned(), 3)]]
+        );
+        assert_eq!(
+            b.all(),
+            vec![vec![("f".to_owned(), 1)], vec![("i".to_owned(), 2)]]
+        );
+        assert_eq!(charged.get(), 1, "only f ran its step; r reused the memo");
+        let letters = dlq.all();
+        assert_eq!(letters.len(), 1);
+        assert_eq!(letters[0].message_id, "d");
+        assert_eq!(letters[0].target, "b");
+        assert_eq!(letters[0].stored_at, 999_400);
+        assert_eq!(
+            letters[0].failure.as_ref().map(|f| f.reason),
+            Some(DeadLetterReason::Explicit)
+        );
+        assert_eq!(fanout.parked(None, 10).unwrap().len(), 1);
+        assert_eq!(deliveries(&*ctx), 0);
+        assert_eq!(manifests(&*ctx), 0);
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 0);
+        assert_eq!(count(&*ctx, "SELECT COUNT(*) FROM durability_memos"), 0);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_permanently_failing_message_never_holds_back_the_rest_of_its_target() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let seen: Rc<RefCell<Vec<(String, u32, i64)>>> = Rc::default();
+        let (log, clock) = (Rc::clone(&seen), h.context());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    let now = clock.now_ms();
+                    let mut retried = Vec::new();
+                    for message in &batch {
+                        log.borrow_mut()
+                            .push((message.id.clone(), message.attempt, now));
+                        if message.id == "poison" {
+                            retried.push(message.retry());
+                        }
+                    }
+                    async move {
+                        for settlement in retried {
+                            settlement
+                                .await
+                                .map_err(|e| HandlerError::new(e.to_string()))?;
+                        }
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .ack_on_return(true),
+            )
+            .max_attempts(1_000)
+            .retry_delay(Delay::Fixed { ms: 20.0 })
+            .max_batch_size(10)
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(inputs(&["poison"]), &EnqueueOptions::all())
+                .await,
+        );
+        let mut enqueued_at = HashMap::new();
+        for round in 0..50 {
+            let ids: Vec<String> = (0..10).map(|i| format!("r{round}-{i}")).collect();
+            let now = ctx.now_ms();
+            for id in &ids {
+                enqueued_at.insert(id.clone(), now);
+            }
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            accepted(fanout.enqueue(inputs(&refs), &EnqueueOptions::all()).await);
+            // While the poison's exception row waits, the cursor is past it.
+            assert!(count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_exceptions") <= 1);
+            sleep_ms(5).await;
+        }
+        let seen = seen.borrow();
+        // Every other message: delivered once, on its first attempt, in the
+        // pass its own enqueue started.
+        for (id, at) in &enqueued_at {
+            let got: Vec<_> = seen.iter().filter(|(m, _, _)| m == id).collect();
+            assert_eq!(got.len(), 1, "{id} delivered once");
+            assert_eq!(got[0].1, 1, "{id} on its first attempt");
+            assert_eq!(got[0].2, *at, "{id} not held back");
+        }
+        // The poison kept failing all along, every 20 ms.
+        let poison = seen.iter().filter(|(m, _, _)| m == "poison").count();
+        assert!(poison >= 10, "the poison was retried {poison} times");
+        // It is the only delivery with a row, and the only message kept.
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_exceptions"),
+            1
+        );
+        assert_eq!(deliveries(&*ctx), 1);
+        assert_eq!(manifests(&*ctx), 1);
+        assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 1);
+    })
+    .await;
+}

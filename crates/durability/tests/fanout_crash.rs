@@ -34,6 +34,7 @@ const CHILD_CLOCK_ENV: &str = "DURABILITY_FANOUT_CRASH_CLOCK_MS";
 const CHILD_ROUND_ENV: &str = "DURABILITY_FANOUT_CRASH_ROUND";
 const BATCH_CHILD: &str = "child_delivers_a_mailbox_until_killed";
 const DEAD_LETTER_CHILD: &str = "child_dead_letters_until_killed";
+const CURSOR_CHILD: &str = "child_delivers_a_batch_until_killed_before_its_cursor_moves";
 
 /// Messages accepted in all; three targets each.
 const MESSAGES: u64 = 10_000;
@@ -54,6 +55,9 @@ const PROGRESS_TIMEOUT: Duration = Duration::from_secs(120);
 const PROGRESS_MARK: &str = "fanout-crash progress ";
 const DRAINED_MARK: &str = "fanout-crash drained";
 const DLQ_STARTED_MARK: &str = "fanout-crash dlq write started";
+const HANDED_OVER_MARK: &str = "fanout-crash batch handed over";
+/// Messages of the cursor test, one batch.
+const CURSOR_MESSAGES: u64 = 5;
 
 // ---------------------------------------------------------------------------
 // The child: a mailbox object with three targets and a DLQ.
@@ -392,6 +396,108 @@ async fn child_dead_letters_until_killed() {
         .await;
 }
 
+/// The mailbox of the cursor test: one target that acks on return. In the
+/// first round its consumer journals the batch, then blocks its thread
+/// before returning, so the process dies after the delivery and before the
+/// cursor write that would follow the return.
+struct CursorMailbox {
+    scheduler: Scheduler,
+    fanout: Fanout<u64>,
+}
+
+impl DurableObject for CursorMailbox {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        self.scheduler
+            .alarm(Some(info))
+            .await
+            .map_err(|e| Box::new(e) as BoxError)
+    }
+}
+
+impl CursorMailbox {
+    fn new(ctx: durability_host::ObjectContext, dir: &Path, round: u32) -> Result<Self, BoxError> {
+        let journal: SharedJournal = Rc::new(std::cell::RefCell::new(Journal::open(dir)));
+        let scheduler = Scheduler::new(ctx.into_dyn())?;
+        let fanout = Fanout::<u64>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<u64>>| {
+                    let lines: Vec<String> = batch
+                        .iter()
+                        .map(|m| format!("D t {} {}", m.id, m.attempt))
+                        .collect();
+                    journal.borrow_mut().append(&lines);
+                    if round == 1 {
+                        println!("{HANDED_OVER_MARK}");
+                        // Block the thread: nothing after the delivery may
+                        // run before the parent's SIGKILL lands.
+                        loop {
+                            std::thread::park();
+                        }
+                    }
+                    async { Ok::<_, HandlerError>(()) }
+                })
+                .ack_on_return(true),
+            )
+            .build()?;
+        Ok(CursorMailbox { scheduler, fanout })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+#[ignore = "the child half of a_kill_between_a_delivery_and_its_cursor_write_delivers_the_batch_again"]
+async fn child_delivers_a_batch_until_killed_before_its_cursor_moves() {
+    let Some((dir, clock_ms, round)) = child_env() else {
+        return;
+    };
+    tokio::task::LocalSet::new()
+        .run_until(async move {
+            let host = child_host(&dir, clock_ms);
+            let factory_dir = dir.clone();
+            let objects = host
+                .namespace("cursor", move |ctx| {
+                    CursorMailbox::new(ctx, &factory_dir, round)
+                })
+                .expect("namespace");
+            let stub = objects.stub("mailbox").expect("name");
+            if round == 1 {
+                stub.call(|object: Rc<CursorMailbox>| async move {
+                    let batch = (1..=CURSOR_MESSAGES)
+                        .map(|n| FanoutInput::new(n).id(format!("m{n}")))
+                        .collect();
+                    let result = object
+                        .fanout
+                        .enqueue(batch, &EnqueueOptions::all())
+                        .await
+                        .expect("enqueue");
+                    assert!(result.is_accepted());
+                })
+                .await
+                .expect("call");
+            }
+            loop {
+                let pending = stub
+                    .call(|object: Rc<CursorMailbox>| async move {
+                        object
+                            .fanout
+                            .load()
+                            .expect("load")
+                            .outbound
+                            .pending_deliveries
+                    })
+                    .await
+                    .expect("call");
+                if pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            println!("{DRAINED_MARK}");
+            host.shutdown().await;
+        })
+        .await;
+}
+
 // ---------------------------------------------------------------------------
 // The parent.
 
@@ -645,4 +751,35 @@ fn dead_letter_intent_survives_a_kill_before_the_dlq_write() {
         durability::fanout::DeadLetterReason::Explicit
     );
     assert_eq!(written[0].message_id, "m1");
+}
+
+#[test]
+fn a_kill_between_a_delivery_and_its_cursor_write_delivers_the_batch_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Run::start(CURSOR_CHILD, dir.path(), FIRST_CLOCK_MS, 1);
+    assert!(
+        first.wait_for(HANDED_OVER_MARK).is_some(),
+        "the batch was handed over"
+    );
+    // Delivered and journaled; the cursor write has not happened.
+    first.kill();
+    let second = Run::start(
+        CURSOR_CHILD,
+        dir.path(),
+        FIRST_CLOCK_MS + RUN_CLOCK_STEP_MS,
+        2,
+    );
+    assert!(
+        second.wait_for(DRAINED_MARK).is_some(),
+        "the second run drains"
+    );
+    assert!(second.finish().success());
+    let lines = journal_lines(dir.path());
+    // The whole batch again, as the next attempt (the claim counted the
+    // first): delivered again, never skipped.
+    let expected: Vec<String> = [1, 2]
+        .iter()
+        .flat_map(|attempt| (1..=CURSOR_MESSAGES).map(move |n| format!("D t m{n} {attempt}")))
+        .collect();
+    assert_eq!(lines, expected);
 }

@@ -27,7 +27,8 @@ pub struct ObjectSummary {
     pub alarm_ms: Option<i64>,
     /// Bytes on disk: the database file plus its write-ahead log.
     pub file_bytes: u64,
-    /// Row counts of the object's own tables (the host's tables excluded).
+    /// Row counts of the object's own tables and views (the host's tables
+    /// excluded): a capability may show its state through a view.
     pub tables: Vec<TableRows>,
     /// Why the file could not be read, if it could not.
     pub error: Option<String>,
@@ -109,7 +110,7 @@ fn read_into(path: &Path, summary: &mut ObjectSummary) -> rusqlite::Result<()> {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
     let mut tables: Vec<String> = conn
-        .prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name")?
+        .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'view') AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name")?
         .query_map([], |row| row.get(0))?
         .collect::<rusqlite::Result<_>>()?;
     if tables.iter().any(|t| t == META_TABLE) {

@@ -10,15 +10,29 @@
 //! messages) and without (the consumer acks each message, one commit each;
 //! 20,000 messages, as each costs a commit of its own).
 //!
-//! Each part runs three rounds, the floor and the fanout taking turns, and
+//! A third part, `ack-on-return-failing`, is the first with one message in
+//! 100 failing its first attempt (the consumer retries it; it is acked on
+//! its second): `failing_ratio` is its deliveries/s ÷ the clean run's.
+//!
+//! Each part runs three rounds, the floors and the fanout taking turns, and
 //! keeps each one's best round: a machine busy with something else for a
 //! while then slows a round, not the figure.
 //!
-//! The floor does the fanout's row writes and reads in the same
-//! transactions (a batch's manifests and delivery rows, a claim per batch,
-//! the acks) on one bare connection with the fanout's own schema, and
-//! nothing else: no alarm, no scheduler, no host. `floor_ratio` is the
-//! fanout's deliveries/s divided by the floor's.
+//! Two floors, each on one bare connection with nothing else (no alarm, no
+//! scheduler, no host), doing a layout's row writes and reads in the
+//! fanout's transactions:
+//! - `floor/<mode>` (the cursor layout of migration 0013): per enqueue call
+//!   its messages, a span per target and the sequence; per batch and
+//!   target a cursor claim and a cursor advance with the range delete (and
+//!   with ack-each, a tombstone per ack). `floor_ratio` is against it.
+//! - `old-floor/<mode>` (the layout before 0013, migrations 0005 and 0009):
+//!   a batch's manifests and delivery rows, a claim per row, a delete and a
+//!   manifest update per ack. `old_layout_ratio` is against it.
+//!
+//! `rows_per_delivery` is SQLite's own count of rows inserted, updated and
+//! deleted on the object's connection (`total_changes()`, read before and
+//! after the run), divided by the deliveries: every write of the run, the
+//! host's alarm row included. It counts table rows, not index entries.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -28,6 +42,8 @@ use std::time::{Duration, Instant};
 use durability::fanout::{EnqueueOptions, Fanout, FanoutInput, FanoutMessage, Target};
 use durability::memo::MEMO_MIGRATIONS;
 use durability::migrations::FANOUT_MIGRATIONS;
+use durability::platform::Context;
+use durability::retry::Delay;
 use durability::{HandlerError, Scheduler};
 use durability_host::{AlarmInfo, BoxError, DurableObject, Host, ObjectContext, Stub};
 use rusqlite::{Connection, OptionalExtension, params};
@@ -41,6 +57,8 @@ pub const NAME: &str = "fanout";
 pub const ENQUEUE_BATCH: u64 = 100;
 /// Most messages per delivery batch (the fanout's `max_batch_size`).
 pub const DELIVERY_BATCH: usize = 100;
+/// In the failing run, one message in this many fails its first attempt.
+pub const FAIL_ONE_IN: u64 = 100;
 /// The two targets every message goes to.
 pub const TARGETS: [&str; 2] = ["inbox", "audit"];
 /// The longest a run waits for its last delivery before it gives up.
@@ -56,6 +74,7 @@ pub fn body(n: u64) -> String {
 /// The benchmark's object: a scheduler and its fanout. Its alarm runs the
 /// scheduler, as an application object's does.
 pub struct MailObject {
+    ctx: Rc<dyn Context>,
     scheduler: Scheduler,
     /// The object's fanout.
     pub fanout: Fanout<String>,
@@ -82,20 +101,50 @@ pub struct MailConfig {
     pub batch_delay: Duration,
     /// Counts every acked delivery.
     pub delivered: Arc<AtomicU64>,
+    /// Every message whose number is a multiple of this fails its first
+    /// attempt (the consumer retries it). `None`: none fails.
+    pub fail_one_in: Option<u64>,
+}
+
+/// The retry delay of the failing run: short, so the run measures the cost
+/// of the failures rather than the wait for the last retry.
+const FAILING_RETRY_DELAY_MS: f64 = 10.0;
+
+/// The message number of a benchmark id `m<n>`.
+fn number(id: &str) -> u64 {
+    id.trim_start_matches('m').parse().unwrap_or(1)
 }
 
 impl MailObject {
     /// Builds the object's scheduler and fanout: consumers that ack at once.
     pub fn build(ctx: ObjectContext, config: &MailConfig) -> Result<MailObject, BoxError> {
-        let scheduler = Scheduler::new(ctx.into_dyn())?;
+        let ctx = ctx.into_dyn();
+        let scheduler = Scheduler::new(Rc::clone(&ctx))?;
         let mut builder = Fanout::<String>::builder(&scheduler)
             .max_batch_size(DELIVERY_BATCH)
             .batch_delay(config.batch_delay);
+        if config.fail_one_in.is_some() {
+            builder = builder.retry_delay(Delay::Fixed {
+                ms: FAILING_RETRY_DELAY_MS,
+            });
+        }
         for id in &config.targets {
             let delivered = Arc::clone(&config.delivered);
+            let fail_one_in = config.fail_one_in;
             let target = if config.ack_on_return {
                 Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
-                    delivered.fetch_add(count(batch.len()), Ordering::Relaxed);
+                    let mut acked = batch.len();
+                    if let Some(every) = fail_one_in {
+                        for message in &batch {
+                            if message.attempt == 1 && number(&message.id) % every == 0 {
+                                // Started at once; an explicit retry wins
+                                // over the ack on return.
+                                drop(message.retry());
+                                acked -= 1;
+                            }
+                        }
+                    }
+                    delivered.fetch_add(count(acked), Ordering::Relaxed);
                     async { Ok::<_, HandlerError>(()) }
                 })
                 .ack_on_return(true)
@@ -117,8 +166,27 @@ impl MailObject {
             builder = builder.target(*id, target);
         }
         let fanout = builder.build()?;
-        Ok(MailObject { scheduler, fanout })
+        Ok(MailObject {
+            ctx,
+            scheduler,
+            fanout,
+        })
     }
+}
+
+/// Rows inserted, updated and deleted on the object's connection so far.
+async fn total_changes(stub: &Stub<MailObject>) -> Result<u64, BenchError> {
+    let changes = stub
+        .call(|object: Rc<MailObject>| async move {
+            object
+                .ctx
+                .storage()
+                .query_row("SELECT total_changes()", &[])
+                .map_err(|e| e.to_string())?
+                .map_or(Ok(0), |row| row.get::<u64>(0).map_err(|e| e.to_string()))
+        })
+        .await?;
+    changes.map_err(task_error)
 }
 
 fn count(n: usize) -> u64 {
@@ -162,6 +230,9 @@ pub struct Drained {
     pub enqueue_elapsed: Duration,
     /// From the first enqueue call to the last ack.
     pub elapsed: Duration,
+    /// Rows written on the object's connection during the run, when
+    /// measured.
+    pub rows_written: Option<u64>,
 }
 
 /// Produces `messages` in calls of [`ENQUEUE_BATCH`] to `targets` (all when
@@ -208,6 +279,7 @@ pub async fn produce_and_drain(
         enqueue_latency: latency,
         enqueue_elapsed,
         elapsed,
+        rows_written: None,
     })
 }
 
@@ -237,24 +309,38 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             ),
         ],
     };
-    for ack_on_return in [true, false] {
-        let (mode, messages) = if ack_on_return {
-            ("ack-on-return", env.size(100_000, 2_000))
+    let mut clean_rate = None;
+    for (mode, ack_on_return, fail_one_in) in [
+        ("ack-on-return", true, None),
+        ("ack-each", false, None),
+        ("ack-on-return-failing", true, Some(FAIL_ONE_IN)),
+    ] {
+        let messages = if ack_on_return {
+            env.size(100_000, 2_000)
         } else {
-            ("ack-each", env.size(20_000, 500))
+            env.size(20_000, 500)
         };
         let deliveries = messages * count(TARGETS.len());
         let mut best_floor: Option<Measurement> = None;
+        let mut best_old_floor: Option<Measurement> = None;
         let mut best_fanout: Option<Drained> = None;
-        for _ in 0..rounds {
-            let floor = floor(env, mode, messages, ack_on_return)?;
-            if best_floor
-                .as_ref()
-                .is_none_or(|best| floor.elapsed < best.elapsed)
-            {
-                best_floor = Some(floor);
+        let keep = |best: &mut Option<Measurement>, round: Measurement| {
+            if best.as_ref().is_none_or(|b| round.elapsed < b.elapsed) {
+                *best = Some(round);
             }
-            let drained = runtime.block_on(fanout_run(env, mode, messages, ack_on_return))?;
+        };
+        for _ in 0..rounds {
+            // The failing run compares with the clean one; its floors are
+            // the clean run's.
+            if fail_one_in.is_none() {
+                keep(&mut best_floor, floor(env, mode, messages, ack_on_return)?);
+                keep(
+                    &mut best_old_floor,
+                    old_floor(env, mode, messages, ack_on_return)?,
+                );
+            }
+            let drained =
+                runtime.block_on(fanout_run(env, mode, messages, ack_on_return, fail_one_in))?;
             if best_fanout
                 .as_ref()
                 .is_none_or(|best| drained.elapsed < best.elapsed)
@@ -262,7 +348,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
                 best_fanout = Some(drained);
             }
         }
-        let (Some(floor), Some(drained)) = (best_floor, best_fanout) else {
+        let Some(drained) = best_fanout else {
             continue;
         };
         let mut delivered = Measurement::new(
@@ -273,7 +359,30 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             &Latency::new()?,
         )
         .with("messages", messages);
-        delivered.compare_with_floor(&floor);
+        if let Some(rows) = drained.rows_written {
+            delivered = delivered.with("rows_per_delivery", rows as f64 / deliveries as f64);
+        }
+        let rate = delivered.ops_per_sec();
+        if let Some(every) = fail_one_in {
+            delivered = delivered.with("failing_one_in", every);
+            if let Some(clean) = clean_rate {
+                delivered = delivered.with("failing_ratio", rate / clean);
+            }
+        } else {
+            if ack_on_return {
+                clean_rate = Some(rate);
+            }
+            if let Some(floor) = &best_floor {
+                delivered.compare_with_floor(floor);
+            }
+            if let Some(old) = &best_old_floor
+                && old.ops_per_sec() > 0.0
+            {
+                delivered = delivered
+                    .with("old_layout_ratio", rate / old.ops_per_sec())
+                    .with("old_floor", old.name.clone());
+            }
+        }
         let enqueue = Measurement::new(
             format!("{mode}/enqueue"),
             format!("1 enqueue call of {ENQUEUE_BATCH} messages"),
@@ -283,7 +392,8 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         );
         report.measurements.push(delivered);
         report.measurements.push(enqueue);
-        report.measurements.push(floor);
+        report.measurements.extend(best_floor);
+        report.measurements.extend(best_old_floor);
     }
     Ok(report)
 }
@@ -293,6 +403,7 @@ async fn fanout_run(
     mode: &str,
     messages: u64,
     ack_on_return: bool,
+    fail_one_in: Option<u64>,
 ) -> Result<Drained, BenchError> {
     let dir = env.subdir(&format!("fanout-{mode}"))?;
     let host = Host::builder(&dir).threads(1).build()?;
@@ -302,9 +413,11 @@ async fn fanout_run(
         targets: TARGETS.to_vec(),
         batch_delay: Duration::ZERO,
         delivered: Arc::clone(&delivered),
+        fail_one_in,
     };
     let objects = host.namespace("mail", move |ctx| MailObject::build(ctx, &config))?;
     let stub = objects.stub("mailbox")?;
+    let before = total_changes(&stub).await;
     let outcome = produce_and_drain(
         env,
         &format!("fanout {mode}"),
@@ -316,50 +429,253 @@ async fn fanout_run(
         None,
     )
     .await;
+    let after = total_changes(&stub).await;
     host.shutdown().await;
-    outcome
+    let mut drained = outcome?;
+    drained.rows_written = Some(after?.saturating_sub(before?));
+    Ok(drained)
 }
 
-/// The floor: the fanout's row writes and reads, in the fanout's
-/// transactions, on one bare connection with the fanout's own schema.
+/// One floor transaction group: an enqueue call of `n` messages from
+/// `first`, then each target's claim and acks.
+type FloorBatch = fn(&mut Connection, u64, u64, bool) -> rusqlite::Result<()>;
+
+/// The floor of the cursor layout (migration 0013, the fanout's own).
 fn floor(
     env: &BenchEnv,
     mode: &str,
     messages: u64,
     ack_on_return: bool,
 ) -> Result<Measurement, BenchError> {
+    layout_floor(
+        env,
+        "floor",
+        mode,
+        messages,
+        ack_on_return,
+        FANOUT_MIGRATIONS,
+        cursor_floor_batch,
+    )
+}
+
+/// The floor of the layout before 0013: one row per (message, target).
+fn old_floor(
+    env: &BenchEnv,
+    mode: &str,
+    messages: u64,
+    ack_on_return: bool,
+) -> Result<Measurement, BenchError> {
+    let before_cursors = FANOUT_MIGRATIONS
+        .iter()
+        .position(|m| m.name == "durability_0013_fanout_cursors")
+        .unwrap_or(FANOUT_MIGRATIONS.len());
+    layout_floor(
+        env,
+        "old-floor",
+        mode,
+        messages,
+        ack_on_return,
+        &FANOUT_MIGRATIONS[..before_cursors],
+        floor_batch,
+    )
+}
+
+/// A layout's row writes and reads, in the fanout's transactions, on one
+/// bare connection with that layout's schema.
+fn layout_floor(
+    env: &BenchEnv,
+    name: &str,
+    mode: &str,
+    messages: u64,
+    ack_on_return: bool,
+    migrations: &[durability::migrations::Migration],
+    batch: FloorBatch,
+) -> Result<Measurement, BenchError> {
     let sqlite = |what| move |source| BenchError::Sqlite { what, source };
-    let dir = env.subdir(&format!("fanout-floor-{mode}"))?;
+    let dir = env.subdir(&format!("fanout-{name}-{mode}"))?;
     let mut conn = Connection::open(dir.join("floor.sqlite"))
         .map_err(sqlite("cannot open the floor database"))?;
     conn.pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get::<_, String>(0))
         .map_err(sqlite("cannot switch the floor database to WAL"))?;
     conn.pragma_update(None, "synchronous", "FULL")
         .map_err(sqlite("cannot set synchronous on the floor database"))?;
-    for migration in FANOUT_MIGRATIONS.iter().chain(MEMO_MIGRATIONS) {
+    for migration in migrations.iter().chain(MEMO_MIGRATIONS) {
         conn.execute_batch(migration.up)
             .map_err(sqlite("cannot create the floor schema"))?;
     }
     let deliveries = messages * count(TARGETS.len());
-    let progress = env.progress(&format!("floor {mode}"), deliveries);
+    let progress = env.progress(&format!("{name} {mode}"), deliveries);
     let started = Instant::now();
     let mut next = 0;
     while next < messages {
         let n = ENQUEUE_BATCH.min(messages - next);
-        floor_batch(&mut conn, next, n, ack_on_return)
-            .map_err(sqlite("a floor transaction failed"))?;
+        batch(&mut conn, next, n, ack_on_return).map_err(sqlite("a floor transaction failed"))?;
         next += n;
         progress.set_position(next * count(TARGETS.len()));
     }
     let elapsed = started.elapsed();
     progress.finish_and_clear();
     Ok(Measurement::new(
-        format!("floor/{mode}"),
+        format!("{name}/{mode}"),
         "1 (message, target): its rows, raw rusqlite",
         deliveries,
         elapsed,
         &Latency::new()?,
     ))
+}
+
+const CURSOR_READ_MESSAGE: &str = "SELECT key, id, payload, targets, seq, created_at, generation_id \
+     FROM durability_fanout_messages WHERE key = ?1";
+const CURSOR_READ_SEQ: &str = "SELECT next_seq FROM durability_fanout_seq WHERE id = 1";
+const CURSOR_STORE_SEQ: &str = "UPDATE durability_fanout_seq SET next_seq = ?1 WHERE id = 1";
+const CURSOR_INSERT_MESSAGE: &str = "INSERT INTO durability_fanout_messages \
+     (seq, key, id, payload, targets, created_at, generation_id) VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6)";
+const CURSOR_ENSURE: &str = "INSERT INTO durability_fanout_cursors (target_id, next_seq) \
+     VALUES (?1, 0) ON CONFLICT(target_id) DO NOTHING";
+const CURSOR_INSERT_SPAN: &str = "INSERT INTO durability_fanout_spans \
+     (target_id, first_seq, last_seq, due_at) VALUES (?1, ?2, ?3, ?4)";
+const CURSOR_READ: &str = "SELECT next_seq, claim_end, claim_attempt, claim_deadline, paused_until \
+     FROM durability_fanout_cursors WHERE target_id = ?1";
+const CURSOR_SPANS: &str = "SELECT first_seq, last_seq, due_at FROM durability_fanout_spans \
+     WHERE target_id = ?1 ORDER BY first_seq LIMIT 64";
+const CURSOR_MESSAGES: &str = "SELECT m.key, m.id, m.payload, m.targets, m.seq, m.created_at, \
+     m.generation_id, e.seq IS NOT NULL \
+     FROM durability_fanout_messages m LEFT JOIN durability_fanout_exceptions e \
+     ON e.seq = m.seq AND e.target_id = ?1 \
+     WHERE m.seq >= ?2 AND m.seq <= ?3 \
+     AND (SELECT s.last_seq FROM durability_fanout_spans s WHERE s.target_id = ?1 \
+          AND s.first_seq <= m.seq ORDER BY s.first_seq DESC LIMIT 1) >= m.seq \
+     ORDER BY m.seq LIMIT ?4";
+const CURSOR_CLAIM: &str = "UPDATE durability_fanout_cursors SET next_seq = ?1, claim_end = ?2, \
+     claim_attempt = 1, claim_deadline = ?3 WHERE target_id = ?4 AND next_seq = ?5 AND claim_attempt = 0";
+const CURSOR_TOMBSTONE: &str = "INSERT INTO durability_fanout_exceptions \
+     (id, message_key, target_id, seq, status, phase, attempt, next_attempt_at, created_at, generation_id) \
+     SELECT ?1, ?2, ?3, ?4, 'settled', 'delivery', 1, 0, m.created_at, m.generation_id \
+     FROM durability_fanout_messages m WHERE m.seq = ?4 \
+     AND EXISTS (SELECT 1 FROM durability_fanout_cursors c WHERE c.target_id = ?3 \
+       AND c.claim_attempt = 1 AND c.next_seq <= ?4 AND c.claim_end > ?4) \
+     ON CONFLICT(id) DO NOTHING";
+const CURSOR_ADVANCE: &str = "UPDATE durability_fanout_cursors SET next_seq = ?1, claim_end = NULL, \
+     claim_attempt = 0, claim_deadline = NULL WHERE target_id = ?2 AND next_seq = ?3 AND claim_attempt = 1";
+const CURSOR_DROP_TOMBSTONES: &str = "DELETE FROM durability_fanout_exceptions WHERE seq >= ?1 \
+     AND seq < ?2 AND target_id = ?3 AND status = 'settled'";
+const CURSOR_DROP_SPANS: &str = "DELETE FROM durability_fanout_spans WHERE target_id = ?1 \
+     AND last_seq < ?2 AND first_seq < ?2 RETURNING first_seq, last_seq";
+const CURSOR_SPAN_LEFT: &str = "SELECT 1 FROM durability_fanout_spans WHERE first_seq = ?1 LIMIT 1";
+const CURSOR_RELEASE: &str = "DELETE FROM durability_fanout_messages WHERE seq >= ?1 AND seq <= ?2 \
+     AND NOT EXISTS (SELECT 1 FROM durability_fanout_exceptions e \
+     WHERE e.seq = durability_fanout_messages.seq)";
+
+/// The cursor layout: one enqueue transaction of `n` messages (a span per
+/// target), then for each target one claim transaction (one cursor write)
+/// and the acks: with ack on return one advance of the cursor with its
+/// range delete; with ack-each a tombstone per message, each its own
+/// transaction, then the advance.
+fn cursor_floor_batch(
+    conn: &mut Connection,
+    first: u64,
+    n: u64,
+    ack_on_return: bool,
+) -> rusqlite::Result<()> {
+    let now = i64::try_from(first).unwrap_or(0);
+    let targets_json = serde_json::to_string(&TARGETS).unwrap_or_default();
+    let tx = conn.transaction()?;
+    let first_seq: i64 = tx
+        .prepare_cached(CURSOR_READ_SEQ)?
+        .query_row([], |row| row.get(0))?;
+    let mut seq = first_seq;
+    for i in first..first + n {
+        let key = format!("m{i}");
+        let existing: Option<String> = tx
+            .prepare_cached(CURSOR_READ_MESSAGE)?
+            .query_row(params![key], |row| row.get(1))
+            .optional()?;
+        if existing.is_some() {
+            continue;
+        }
+        tx.prepare_cached(CURSOR_INSERT_MESSAGE)?.execute(params![
+            seq,
+            key,
+            format!("{{\"kind\":\"value\",\"value\":\"{}\"}}", body(i)),
+            targets_json,
+            now,
+            format!("{i:032x}")
+        ])?;
+        seq += 1;
+    }
+    for target in TARGETS {
+        tx.prepare_cached(CURSOR_ENSURE)?.execute(params![target])?;
+        tx.prepare_cached(CURSOR_INSERT_SPAN)?
+            .execute(params![target, first_seq, seq - 1, now])?;
+    }
+    tx.prepare_cached(CURSOR_STORE_SEQ)?.execute(params![seq])?;
+    tx.commit()?;
+    for target in TARGETS {
+        let tx = conn.transaction()?;
+        let next_seq: i64 = tx
+            .prepare_cached(CURSOR_READ)?
+            .query_row(params![target], |row| row.get(0))?;
+        let spans: Vec<(i64, i64)> = tx
+            .prepare_cached(CURSOR_SPANS)?
+            .query_map(params![target], |row| Ok((row.get(0)?, row.get(1)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        let (Some(first_span), Some(last_span)) = (spans.first(), spans.last()) else {
+            continue;
+        };
+        let from = first_span.0.max(next_seq);
+        let due: Vec<(String, i64)> = tx
+            .prepare_cached(CURSOR_MESSAGES)?
+            .query_map(
+                params![
+                    target,
+                    from,
+                    last_span.1,
+                    i64::try_from(DELIVERY_BATCH).unwrap_or(100)
+                ],
+                |row| Ok((row.get(0)?, row.get(4)?)),
+            )?
+            .collect::<rusqlite::Result<_>>()?;
+        let end = due.last().map_or(from, |(_, seq)| seq + 1);
+        tx.prepare_cached(CURSOR_CLAIM)?.execute(params![
+            from,
+            end,
+            now + 300_000,
+            target,
+            next_seq
+        ])?;
+        tx.commit()?;
+        if !ack_on_return {
+            for (key, seq) in &due {
+                let tx = conn.transaction()?;
+                let id = serde_json::to_string(&[key.as_str(), target]).unwrap_or_default();
+                tx.prepare_cached(CURSOR_TOMBSTONE)?
+                    .execute(params![id, key, target, seq])?;
+                tx.prepare_cached(DELETE_MEMOS)?.execute(params![id])?;
+                tx.commit()?;
+            }
+        }
+        let tx = conn.transaction()?;
+        tx.prepare_cached(CURSOR_ADVANCE)?
+            .execute(params![end, target, from])?;
+        tx.prepare_cached(CURSOR_DROP_TOMBSTONES)?
+            .execute(params![from, end, target])?;
+        let passed: Vec<(i64, i64)> = tx
+            .prepare_cached(CURSOR_DROP_SPANS)?
+            .query_map(params![target, end], |row| Ok((row.get(0)?, row.get(1)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        for (first, last) in passed {
+            let left = tx
+                .prepare_cached(CURSOR_SPAN_LEFT)?
+                .query_row(params![first], |_| Ok(()))
+                .optional()?;
+            if left.is_none() {
+                tx.prepare_cached(CURSOR_RELEASE)?
+                    .execute(params![first, last])?;
+            }
+        }
+        tx.commit()?;
+    }
+    Ok(())
 }
 
 const READ_MANIFEST: &str = "SELECT key, id, payload, targets, remaining, seq, created_at, generation_id \
@@ -384,8 +700,9 @@ const RELEASE_MANIFEST: &str = "UPDATE durability_fanout_messages SET remaining 
      WHERE key = ?1 RETURNING remaining";
 const DELETE_MANIFEST: &str = "DELETE FROM durability_fanout_messages WHERE key = ?1";
 
-/// One enqueue transaction of `n` messages, then for each target one claim
-/// transaction and its acks (one transaction, or one per message).
+/// The layout before 0013: one enqueue transaction of `n` messages, then
+/// for each target one claim transaction and its acks (one transaction, or
+/// one per message).
 fn floor_batch(
     conn: &mut Connection,
     first: u64,

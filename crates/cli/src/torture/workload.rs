@@ -293,7 +293,7 @@ impl Finished {
         .map_err(failed)?;
         let exists: i64 = connection
             .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                "SELECT count(*) FROM sqlite_master WHERE type IN ('table', 'view') AND name = ?1",
                 [table],
                 |row| row.get(0),
             )
