@@ -9,7 +9,7 @@ use durability_platform::{EpochMs, LocalBoxFuture};
 use futures::future::Shared;
 
 use super::error::SettlementError;
-use super::message::SettlementOutcome;
+use super::outcome::SettlementOutcome;
 use super::store::{DeliveryRow, Manifest};
 use crate::error::HandlerError;
 use crate::retry::AttemptPolicy;

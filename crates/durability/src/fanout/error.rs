@@ -16,7 +16,7 @@
 use durability_platform::{EpochMs, StorageError};
 use thiserror::Error;
 
-use super::message::SettlementOutcome;
+use super::outcome::SettlementOutcome;
 use crate::codec::CodecError;
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::record::DurableTable;

@@ -3,8 +3,8 @@
 //! independently, at least once, with per-target ack, retry and dead
 //! letter, durable dead-letter intent, and redrive.
 //!
-//! A work queue, not a log: a (message, target) delivery row is deleted once
-//! it is settled, and a message's manifest once all its deliveries are.
+//! A work queue, not a log: a message is kept until every target of its
+//! frozen set has passed it and none holds an exception for it.
 //!
 //! ```no_run
 //! use std::rc::Rc;
@@ -36,20 +36,49 @@
 //! ```
 //!
 //! How it works, and why:
-//! - **Acceptance** ([`Fanout::enqueue`]) writes every manifest and delivery
-//!   row of the batch, and re-arms the object's alarm, in one transaction.
-//!   A definite problem with the input is an [`EnqueueRejection`] with
-//!   nothing written; a storage failure is an `Err`, because the commit may
-//!   have happened.
-//! - **Dispatch** runs one bounded pass per target at a time (`dispatch`):
-//!   first deliveries before retries, one transaction to claim the batch
-//!   (each claimed row's due time becomes the batch deadline, so a crash
-//!   mid-batch brings it back then, its attempt already counted), then one
-//!   call of the consumer with the whole batch.
-//! - **Settlement** (`settle`) is a compare-and-set on the claimed attempt:
-//!   a late or duplicated settlement changes nothing. Unsettled messages are
-//!   retried. A dead letter's intent is committed before the DLQ write, so a
-//!   crash repeats the write but never redelivers to the consumer.
+//! - **Storage: per-target cursors, rows only for exceptions** (`store`
+//!   has the tables). A message is stored once, in sequence order, with
+//!   its frozen target set; an enqueue call adds one *span* per target
+//!   (the sequence range it owes). Each target keeps a durable *cursor*:
+//!   every message of it below `next_seq` was delivered or became an
+//!   exception. Only deliveries that leave the common path get a row:
+//!   waiting for a retry, dead-letter intent, or a delivery settled on its
+//!   own while its cursor has not passed it yet (a tombstone). A message
+//!   row goes by a range delete when its span's last target passes it.
+//!   The common path (delivered on its first attempt, acked on return)
+//!   writes per message only its row and its deletion; per batch and
+//!   target, a claim and an advance of the cursor. On Cloudflare, where
+//!   rows written are billed, that is the point.
+//! - **Acceptance** ([`Fanout::enqueue`]) writes the batch's messages, one
+//!   span per target and the sequence, and re-arms the object's alarm, in
+//!   one transaction. A definite problem with the input is an
+//!   [`EnqueueRejection`] with nothing written; a storage failure is an
+//!   `Err`, because the commit may have happened.
+//! - **Dispatch** (`dispatch`) runs one bounded pass per target at a time:
+//!   the next messages of its due spans after its cursor, claimed as one
+//!   range in one write to the cursor row (its attempt and deadline: a
+//!   process that dies mid-batch leaves a claim that comes back at the
+//!   deadline, the attempt counted, and the batch is delivered again, never
+//!   skipped), then due exception rows, each claimed by a compare-and-set
+//!   on its attempt; then one call of the target with the whole batch.
+//! - **Settlement** (`settle`): an explicit settlement of a delivery on the
+//!   cursor gives it a row (a retry, dead-letter intent, or a tombstone for
+//!   an ack), guarded by the cursor's claim; of an exception row, a
+//!   compare-and-set on its attempt. A late or duplicated settlement
+//!   changes nothing. After the target's turn the batch is ended: acked on
+//!   return (one write moves the cursor past the whole batch), unsettled
+//!   messages retried, the cursor moved past everything settled or turned
+//!   into an exception. A failing message therefore never holds back its
+//!   target's cursor, nor any other target. A dead letter's intent is
+//!   committed before the DLQ write, so a crash repeats the write but never
+//!   redelivers to the consumer.
+//! - **Layers.** `store` (SQL, no policy) at the bottom; `batch` (a claimed
+//!   batch in memory) on it; `dispatch` and `settle` on both, neither
+//!   calling the other; this module wires a pass: claim, hand over,
+//!   settle. A per-target gate (flow control) sits in front of the claim.
+//! - **Reading.** `durability_fanout_deliveries` is a view of every owed
+//!   delivery in the reference's columns (the table it was before
+//!   migration 0013): tools, tests and memo ownership checks read it.
 //!
 //! Decisions where the reference is silent, or that depart from it:
 //! - **No accepted work is ever dropped.** Without a DLQ the reference drops
@@ -66,15 +95,23 @@
 //! - A settlement whose compare-and-set finds the row owned by a newer
 //!   attempt is not an error of the pass that finds it (the reference lets
 //!   it fail the alarm run): it is logged and the pass goes on.
-//! - First deliveries are taken by (due time, sequence), which is sequence
-//!   order because first due times grow with the sequence; this lets the
-//!   query stop at the batch size instead of walking deliveries that are
-//!   not due (see `store`). Retries are taken by sequence, as in the
-//!   reference.
-//! - A removed target's due rows are postponed [`INFRASTRUCTURE_RETRY`] at
-//!   most [`MISSING_TARGET_POSTPONE_BATCH`] per pass (the reference takes a
-//!   delivery batch), so removing a target with a large backlog does not
-//!   turn the object into a loop of tiny transactions.
+//! - First deliveries of a target go in sequence order, span by span; a
+//!   span not due yet (its batch-delay window) holds back the later ones of
+//!   that target, even if a changed `batch_delay` made a later one due
+//!   earlier. Retries are taken by sequence, as in the reference.
+//! - A removed target's cursor waits [`INFRASTRUCTURE_RETRY`] each time its
+//!   first deliveries come due (one write), and its due exception rows are
+//!   postponed as long, at most [`MISSING_TARGET_POSTPONE_BATCH`] per pass
+//!   (the reference takes a delivery batch), so removing a target with a
+//!   large backlog does not turn the object into a loop of tiny
+//!   transactions.
+//! - A storage target's written messages are acked together, in one
+//!   transaction after the batch's writes (the reference acks each write).
+//! - Deliveries carried over from the layout before migration 0013 drain
+//!   as exception rows, after the new first deliveries of their target.
+//! - A memo of a delivery still on its cursor is checked against the view
+//!   of owed deliveries, which walks the target's backlog: memos cost more
+//!   per call than on exception rows.
 //! - Bodies are limited to [`DEFAULT_MAX_BODY_BYTES`] of stored text by
 //!   default ([`FanoutBuilder::max_body_bytes`]); a larger body is rejected.
 //! - A timed-out consumer is not cancelled (it runs on as a background task
@@ -90,6 +127,7 @@ mod dispatch;
 mod enqueue;
 mod error;
 mod message;
+mod outcome;
 mod parked;
 mod settle;
 mod store;
@@ -100,9 +138,8 @@ pub use error::{
     EnqueueRejection, FANOUT_ENQUEUE_ERROR, FANOUT_SETTLEMENT_ERROR, FANOUT_TIMEOUT_ERROR,
     FanoutConfigError, FanoutError, SettlementError,
 };
-pub use message::{
-    DeadLetterReason, Failure, FanoutMessage, SettlementOutcome, Settling, StoredMessage,
-};
+pub use message::{Failure, FanoutMessage, Settling, StoredMessage};
+pub use outcome::{DeadLetterReason, SettlementOutcome};
 pub use target::Target;
 
 use std::cell::{Cell, RefCell};

@@ -37,7 +37,8 @@ use serde::de::DeserializeOwned;
 
 use super::batch::{Claim, ClaimedRange, Handover, SettleState, SharedSettlement};
 use super::error::{FanoutError, SettlementError, timeout_error};
-use super::message::{DeadLetterReason, Failure, SettlementOutcome, Settling, StoredMessage};
+use super::message::{Failure, Settling, StoredMessage};
+use super::outcome::{DeadLetterReason, SettlementOutcome};
 use super::store::{self, DeliveryRow, Lane, ParkedRow, Phase};
 use super::target::{Target, TargetKind};
 use super::{INFRASTRUCTURE_RETRY, INFRASTRUCTURE_RETRY_MS, Inner, entity};

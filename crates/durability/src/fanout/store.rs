@@ -44,7 +44,7 @@
 use durability_platform::{EpochMs, Row, Sql, StorageError, Value, params};
 
 use super::error::FanoutError;
-use super::message::DeadLetterReason;
+use super::outcome::DeadLetterReason;
 use crate::error::{DurabilityError, SerializedError};
 use crate::memo::delete_memos;
 use crate::record::{AttemptRef, DurableTable, claim_attempt, update_attempt};
