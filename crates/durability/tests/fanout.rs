@@ -2488,3 +2488,39 @@ async fn an_undecodable_body_for_a_storage_target_fails_with_its_own_decode_erro
     })
     .await;
 }
+
+// Issue 10, defects 1 to 3: a body nested deeper than the decoder reads
+// back is refused at enqueue, whatever its depth, nothing written.
+#[tokio::test(start_paused = true)]
+async fn a_body_nested_deeper_than_the_decoder_reads_is_rejected_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<serde_json::Value>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|_: Vec<FanoutMessage<serde_json::Value>>| async {
+                    Ok::<_, HandlerError>(())
+                })
+                .ack_on_return(true),
+            )
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        for depth in [127, 10_000] {
+            let body = support::nested_json(depth);
+            let batch = vec![
+                FanoutInput::new(serde_json::json!(1)).id("fine"),
+                FanoutInput::new(body).id("deep"),
+            ];
+            let error = rejected(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+            assert!(
+                matches!(error, EnqueueRejection::BodyNotJson { index: 1, .. }),
+                "{error:?}"
+            );
+            assert!(error.to_string().contains("limit of 100 levels"), "{error}");
+        }
+        assert_eq!(snapshot(&*ctx), before);
+    })
+    .await;
+}

@@ -842,3 +842,35 @@ async fn the_log_survives_eviction() {
     })
     .await;
 }
+
+// Issue 10, defect 2: what the decoder could not read back is refused at
+// append, nothing written.
+#[tokio::test(start_paused = true)]
+async fn a_body_nested_deeper_than_the_decoder_reads_is_refused_and_nothing_is_written() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.build().unwrap();
+        append(&log, records(0, 2)).await;
+        let before = support::table_snapshot(&*h.context(), "durability_log_records");
+        for depth in [127, 10_000] {
+            let body = support::nested_json(depth);
+            let outcome = log
+                .append(vec![AppendRecord::new(json!(1)), AppendRecord::new(body)])
+                .await
+                .unwrap();
+            match outcome.rejection() {
+                Some(error @ AppendRejection::Body { index: 1, .. }) => {
+                    assert!(error.to_string().contains("limit of 100 levels"), "{error}");
+                }
+                other => panic!("expected a body rejection, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            support::table_snapshot(&*h.context(), "durability_log_records"),
+            before
+        );
+        let read = log.read(Read::from_offset(0)).await.unwrap();
+        assert_eq!(read.records.len(), 2, "the records before stay readable");
+    })
+    .await;
+}
