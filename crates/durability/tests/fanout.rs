@@ -2524,3 +2524,46 @@ async fn a_body_nested_deeper_than_the_decoder_reads_is_rejected_with_nothing_wr
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_parked_body_that_does_not_decode_never_hides_the_other_parked_entries() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|batch: Vec<FanoutMessage<Picky>>| {
+                    let settled: Vec<Settling> = batch.iter().map(|m| m.dead_letter()).collect();
+                    async move {
+                        for settling in settled {
+                            settling
+                                .await
+                                .map_err(|e| HandlerError::new(e.to_string()))?;
+                        }
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .policy(MethodPolicy::new().max_attempts(1)),
+            )
+            .build()
+            .unwrap();
+        // One at a time, so they are parked in this order.
+        for (id, body) in [("a", "first"), ("bad", "poison"), ("z", "last")] {
+            let batch = vec![FanoutInput::new(Picky(body.into())).id(id)];
+            accepted(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+            settle().await;
+        }
+        let page = fanout.parked(None, 10).unwrap();
+        let ids: Vec<&str> = page.iter().map(|e| e.message_id.as_str()).collect();
+        assert_eq!(ids, ["a"], "the page ends before the undecodable entry");
+        let error = fanout.parked(page.last(), 10).unwrap_err();
+        let FanoutError::Durability(DurabilityError::Decode { key, .. }) = &error else {
+            panic!("expected a decode error, got {error:?}");
+        };
+        assert_eq!(fanout.purge_parked(&[key.as_str()]).unwrap(), 1);
+        let rest = fanout.parked(page.last(), 10).unwrap();
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].message_id, "z");
+    })
+    .await;
+}
