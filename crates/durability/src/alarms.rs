@@ -20,6 +20,7 @@ use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageE
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, LibraryErrorKind};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits;
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS,
@@ -130,6 +131,9 @@ impl AlarmsBuilder {
                 field: "handler name length".into(),
             }
             .into());
+        }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
         }
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =

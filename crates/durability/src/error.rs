@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::codec::CodecError;
+use crate::limits::LimitError;
 use crate::migrations::MigrationError;
 
 /// The `name` of an error that stops retries ([`HandlerError::non_retryable`]).
@@ -426,6 +427,10 @@ pub enum DurabilityError {
     /// removed by a later deployment fails on its first claim instead).
     #[error("no handler is registered for {kind} \"{name}\"")]
     UnknownHandler { kind: &'static str, name: String },
+    /// An id, a name or a payload outside its limit (see [`crate::limits`]);
+    /// nothing was written.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },

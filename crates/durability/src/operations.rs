@@ -31,6 +31,7 @@ use serde::de::DeserializeOwned;
 use crate::codec;
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits::{self, DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_LIMIT};
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
@@ -116,6 +117,7 @@ pub struct OperationsBuilder {
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
     include_result: bool,
+    max_payload_bytes: usize,
     hooks: Vec<LifecycleHook>,
 }
 
@@ -182,6 +184,14 @@ impl OperationsBuilder {
         self
     }
 
+    /// Largest payload [`Operations::start`] accepts, in bytes of its own
+    /// JSON. Default 1 MiB; from 1 byte to 32 MiB
+    /// ([`MAX_BODY_BYTES_LIMIT`]).
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
     /// Puts each completed result into the `attempt_settled` event. Off by
     /// default, to keep results out of telemetry.
     pub fn include_result(mut self, on: bool) -> Self {
@@ -205,6 +215,14 @@ impl OperationsBuilder {
             }
             .into());
         }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
+        }
+        limits::check_setting(
+            "max_payload_bytes",
+            self.max_payload_bytes,
+            MAX_BODY_BYTES_LIMIT,
+        )?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =
             engine.prepare_records(OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS, self.hooks)?;
@@ -213,6 +231,7 @@ impl OperationsBuilder {
             handlers: self.handlers,
             policies,
             include_result: self.include_result,
+            max_payload_bytes: self.max_payload_bytes,
             emitter,
             active: ActiveMap::default(),
         });
@@ -269,6 +288,7 @@ struct Inner {
     handlers: HashMap<String, ErasedHandler>,
     policies: Policies,
     include_result: bool,
+    max_payload_bytes: usize,
     emitter: Emitter,
     active: ActiveMap,
 }
@@ -332,6 +352,7 @@ impl Operations {
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
             include_result: false,
+            max_payload_bytes: DEFAULT_MAX_BODY_BYTES,
             hooks: Vec::new(),
         }
     }
@@ -340,6 +361,9 @@ impl Operations {
     /// once the row and the alarm have committed; never waits for the
     /// handler. An id already registered for this operation writes nothing;
     /// an operation without a handler here is rejected and writes nothing.
+    /// An empty id, one longer than [`limits::MAX_ID_BYTES`], a payload
+    /// larger than `max_payload_bytes` or nested deeper than the codec
+    /// allows is a typed error, and writes nothing.
     pub async fn start<P: Serialize + ?Sized>(
         &self,
         operation: &str,
@@ -353,7 +377,14 @@ impl Operations {
                 name: operation.to_owned(),
             });
         }
+        limits::check_id("id", id)?;
         let payload = codec::encode(payload)?;
+        limits::check_body(
+            "payload",
+            codec::body_bytes(&payload),
+            inner.max_payload_bytes,
+            "max_payload_bytes",
+        )?;
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();

@@ -1275,3 +1275,80 @@ async fn a_payload_nested_deeper_than_the_decoder_reads_is_refused_and_stores_no
     })
     .await;
 }
+
+// Issue 10, defect 8: the id limits of every capability, and a payload
+// limit counted on the payload's own JSON.
+#[tokio::test(start_paused = true)]
+async fn an_empty_or_overlong_id_and_an_oversized_payload_are_refused_and_store_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        let error = ops.start("op", "", &"x").await.unwrap_err();
+        assert_eq!(error.to_string(), "id must not be empty");
+        let error = ops.start("op", &"i".repeat(1025), &"x").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "id is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        // 1 MiB of JSON by default: a string of 2^20 - 2 characters and its
+        // two quotes fit; one character more does not.
+        let fits = "p".repeat((1 << 20) - 2);
+        let over = "p".repeat((1 << 20) - 1);
+        let error = ops.start("op", "big", &over).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 1048577 bytes, above the limit of 1048576 (max_payload_bytes)"
+        );
+        assert_eq!(calls(&*ctx), 0);
+        ops.start("op", &"i".repeat(1024), &fits).await.unwrap();
+        assert_eq!(calls(&*ctx), 1);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_payload_bytes_is_configurable_and_bounded_at_build() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let builder = || {
+            Operations::builder(&scheduler).handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+        };
+        for (bytes, expected) in [
+            (0, "max_payload_bytes must be a positive integer"),
+            (
+                (32 << 20) + 1,
+                "max_payload_bytes must be between 1 and 33554432",
+            ),
+        ] {
+            let error = builder().max_payload_bytes(bytes).build().err().unwrap();
+            assert_eq!(error.to_string(), expected);
+        }
+        let error = builder()
+            .handler(&"h".repeat(1025), |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .err()
+            .unwrap();
+        assert_eq!(
+            error.to_string(),
+            "handler name is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        let ops = builder().max_payload_bytes(7).build().unwrap();
+        ops.start("op", "fits", "hello").await.unwrap();
+        let error = ops.start("op", "over", "hello!").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 8 bytes, above the limit of 7 (max_payload_bytes)"
+        );
+    })
+    .await;
+}
