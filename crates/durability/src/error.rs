@@ -366,6 +366,14 @@ pub enum ConfigError {
     /// expire them at once; this port rejects them instead.
     #[error("{field} must be at most {MAX_TIMER_MS} ms (the longest timer), got {value_ms}")]
     AboveTimerLimit { field: String, value_ms: u64 },
+    /// A duration setter given a value that is not a whole number of
+    /// milliseconds: stored times are milliseconds, and rounding would
+    /// silently change the setting.
+    #[error("{field} must be a whole number of milliseconds, got {value:?}")]
+    NotWholeMilliseconds {
+        field: String,
+        value: std::time::Duration,
+    },
     /// A retry delay setting that is NaN, infinite or negative.
     #[error("{field} must be a finite non-negative number of milliseconds, got {value}")]
     InvalidDelay { field: String, value: f64 },

@@ -37,7 +37,7 @@ use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
 };
 use crate::record::{AttemptRef, DurableTable};
-use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 
@@ -116,6 +116,7 @@ pub struct OperationsBuilder {
     scheduler: Scheduler,
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     include_result: bool,
     max_payload_bytes: usize,
     hooks: Vec<LifecycleHook>,
@@ -164,10 +165,10 @@ impl OperationsBuilder {
         self
     }
 
-    /// How long one attempt may run before it is abandoned. Default 5 min.
+    /// How long one attempt may run before it is abandoned. Default 5 min;
+    /// whole milliseconds, from 1 ms to 2^31 - 1 ms.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -208,7 +209,11 @@ impl OperationsBuilder {
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Operations, DurabilityError> {
-        let policies = self.policy.validate()?;
+        let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         if self.handlers.keys().any(String::is_empty) {
             return Err(ConfigError::NotPositive {
                 field: "handler name length".into(),
@@ -351,6 +356,7 @@ impl Operations {
             scheduler: scheduler.clone(),
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             include_result: false,
             max_payload_bytes: DEFAULT_MAX_BODY_BYTES,
             hooks: Vec::new(),

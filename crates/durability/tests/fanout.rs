@@ -2133,8 +2133,12 @@ async fn invalid_configuration_is_a_typed_error_naming_the_rule() {
             Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_body_bytes"
         ));
         assert!(matches!(
+            build(&|b| b.target("a", target()).batch_delay(Duration::from_millis(u64::MAX))),
+            Err(FanoutConfigError::Config(ConfigError::OutOfRange { field, .. })) if field == "batch_delay"
+        ));
+        assert!(matches!(
             build(&|b| b.target("a", target()).batch_delay(Duration::MAX)),
-            Err(FanoutConfigError::Config(ConfigError::OutOfRange { .. }))
+            Err(FanoutConfigError::Config(ConfigError::NotWholeMilliseconds { field, .. })) if field == "batch_delay"
         ));
         assert!(matches!(
             build(&|b| b.target("a", target().policy(MethodPolicy::new().max_attempts(0)))),

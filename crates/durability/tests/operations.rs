@@ -1109,7 +1109,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::AboveTimerLimit {
-                field: "attempt_timeout_ms".into(),
+                field: "attempt_timeout".into(),
                 value_ms: 2_147_483_648
             }
         );
@@ -1119,9 +1119,7 @@ async fn invalid_options_are_typed_config_errors() {
                 .attempt_timeout(Duration::ZERO)
                 .build(),
         );
-        assert!(
-            matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout_ms")
-        );
+        assert!(matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout"));
         let error = config_error(
             Operations::builder(&scheduler)
                 .handler("op", noop)
@@ -1348,6 +1346,110 @@ async fn max_payload_bytes_is_configurable_and_bounded_at_build() {
         assert_eq!(
             error.to_string(),
             "payload is 8 bytes, above the limit of 7 (max_payload_bytes)"
+        );
+    })
+    .await;
+}
+
+/// The message of a builder's error, or `None` when it built.
+fn build_error<T>(built: Result<T, impl std::fmt::Display>) -> Option<String> {
+    built.err().map(|error| error.to_string())
+}
+
+// Issue 10, defect 6: a duration that is not whole milliseconds is refused
+// by every setter that takes one, naming the setter.
+#[tokio::test(start_paused = true)]
+async fn durations_that_are_not_whole_milliseconds_are_refused_by_every_setter() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let odd = Duration::from_micros(1_500);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let rule = "attempt_timeout must be a whole number of milliseconds, got 1.5ms";
+        let operations = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(operations).as_deref(), Some(rule));
+        let alarms = durability::Alarms::builder(&scheduler)
+            .handler("a", |_| async { Ok::<_, HandlerError>(()) })
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(alarms).as_deref(), Some(rule));
+        let consumer = || {
+            durability::fanout::Target::consumer(
+                |_: Vec<durability::fanout::FanoutMessage<String>>| async {
+                    Ok::<_, HandlerError>(())
+                },
+            )
+        };
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(fanout).as_deref(), Some(rule));
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .batch_delay(odd)
+            .build();
+        assert_eq!(
+            build_error(fanout).as_deref(),
+            Some("batch_delay must be a whole number of milliseconds, got 1.5ms")
+        );
+        // Whole milliseconds still build, each on a scheduler of its own.
+        Operations::builder(&Scheduler::new(h.context()).unwrap())
+            .handler("op", noop)
+            .attempt_timeout(Duration::from_micros(2_000))
+            .build()
+            .unwrap();
+    })
+    .await;
+}
+
+// Issue 10, defect 7: every setting is bounded at build with a typed error,
+// never a panic later or a failure of the work at its first retry.
+#[tokio::test(start_paused = true)]
+async fn every_setting_is_bounded_at_build_with_a_typed_error() {
+    support::on_harness(|h| async move {
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Scheduler::builder(h.context())
+                .alarm_concurrency(usize::MAX)
+                .build()
+                .err()
+                .map(|error| error.to_string())
+        }));
+        assert_eq!(
+            built.expect("no panic").as_deref(),
+            Some("alarm_concurrency must be between 1 and 10000")
+        );
+        let scheduler = scheduler(&h);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let cases = [
+            (
+                Delay::Fixed { ms: 1e300 },
+                "retry_delay.ms must be between 0 and 31536000000",
+            ),
+            (
+                Delay::Exponential {
+                    initial_ms: 1_000.0,
+                    max_ms: 1e300,
+                },
+                "retry_delay.max_ms must be between 0 and 31536000000",
+            ),
+        ];
+        for (delay, rule) in cases {
+            let built = Operations::builder(&scheduler)
+                .handler("op", noop)
+                .retry_delay(delay)
+                .build();
+            assert_eq!(build_error(built).as_deref(), Some(rule));
+        }
+        let built = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .method("op", MethodPolicy::new().delay(Delay::Fixed { ms: 1e300 }))
+            .build();
+        assert_eq!(
+            build_error(built).as_deref(),
+            Some("methods.op.delay.ms must be between 0 and 31536000000")
         );
     })
     .await;

@@ -126,7 +126,7 @@ use crate::load::{Load, LoadSnapshot};
 use crate::migrations::{
     self, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationReport, MigrationTarget,
 };
-use crate::retry::{Delay, Policies, PolicyOptions};
+use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::{Engine, Scheduler};
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
@@ -148,6 +148,7 @@ pub struct FanoutBuilder<B> {
     scheduler: Scheduler,
     targets: Vec<(String, Target<B>)>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     dlq: Option<WriteFn<B>>,
     max_batch_size: usize,
     batch_delay: Duration,
@@ -223,10 +224,10 @@ where
     }
 
     /// How long a target has for one batch (its call and the settlements
-    /// it starts). Default 5 min.
+    /// it starts). Default 5 min; whole milliseconds, from 1 ms to
+    /// 2^31 - 1 ms.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -258,11 +259,11 @@ where
             self.max_batch_size,
             limits::MAX_ITEMS_PER_CALL_LIMIT,
         )?;
-        let batch_delay_ms = i64::try_from(self.batch_delay.as_millis())
+        let batch_delay_ms = i64::try_from(whole_millis("batch_delay", self.batch_delay)?)
             .ok()
             .filter(|ms| *ms <= MAX_SAFE_INTEGER)
             .ok_or_else(|| ConfigError::OutOfRange {
-                field: "batch_delay_ms".into(),
+                field: "batch_delay".into(),
                 min: 0,
                 max: MAX_SAFE_INTEGER.unsigned_abs(),
             })?;
@@ -280,6 +281,9 @@ where
             return Err(FanoutConfigError::NoTargets);
         }
         let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
         let mut targets = HashMap::with_capacity(self.targets.len());
         for (id, target) in self.targets {
             if id.is_empty() {
@@ -311,7 +315,7 @@ where
             }
             targets.insert(id, target);
         }
-        let policies = policy.validate()?;
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter = engine.prepare_records(FANOUT_CAPABILITY, FANOUT_MIGRATIONS, self.hooks)?;
         let routing = self
@@ -376,6 +380,7 @@ where
             scheduler: scheduler.clone(),
             targets: Vec::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             dlq: None,
             max_batch_size: DEFAULT_MAX_BATCH_SIZE,
             batch_delay: Duration::ZERO,
