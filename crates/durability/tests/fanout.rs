@@ -2954,3 +2954,57 @@ async fn a_permanently_failing_message_never_holds_back_the_rest_of_its_target()
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_backlog_acked_on_return_goes_in_bounded_ordered_batches_each_claimed_before_delivery() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let t = Batches::default();
+        let claims_seen: Rc<RefCell<Vec<(u32, i64)>>> = Rc::default();
+        let (log, seen, reader) = (t.clone(), Rc::clone(&claims_seen), h.context());
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
+                    log.record(&batch);
+                    // The claim as stored while the target has the batch.
+                    let claim = delivery(&*reader, &batch[0].id, "t").unwrap();
+                    seen.borrow_mut().push((claim.0, claim.1));
+                    async { Ok::<_, HandlerError>(()) }
+                })
+                .ack_on_return(true)
+                .policy(MethodPolicy::new().attempt_timeout_ms(45_000)),
+            )
+            .max_batch_size(10)
+            .batch_delay(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        let ids: Vec<String> = (0..35).map(|i| format!("m{i:02}")).collect();
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        accepted(fanout.enqueue(inputs(&refs), &EnqueueOptions::all()).await);
+        sleep_ms(60_000).await;
+        let batches = t.ids();
+        assert_eq!(
+            batches.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![10, 10, 10, 5]
+        );
+        assert_eq!(batches.concat(), ids, "in acceptance order, each once");
+        assert!(t.all().iter().flatten().all(|(_, attempt)| *attempt == 1));
+        // Every batch was durably claimed (attempt 1, due at its deadline)
+        // before the target had it.
+        assert!(
+            claims_seen
+                .borrow()
+                .iter()
+                .all(|(attempt, due)| *attempt == 1 && *due > START_MS + 45_000)
+        );
+        assert_eq!(deliveries(&*ctx), 0);
+        assert_eq!(manifests(&*ctx), 0);
+        assert_eq!(
+            count(&*ctx, "SELECT COUNT(*) FROM durability_fanout_exceptions"),
+            0
+        );
+    })
+    .await;
+}

@@ -20,7 +20,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use durability_platform::EpochMs;
+use durability_platform::{EpochMs, Sql};
 use futures::future::{Either, join_all};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -39,6 +39,15 @@ use crate::load::Direction;
 use crate::memo::Memo;
 use crate::retry::AttemptPolicy;
 
+/// Which deliveries a claim takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lanes {
+    /// First deliveries from the cursor, then due exception rows.
+    All,
+    /// First deliveries from the cursor only.
+    CursorOnly,
+}
+
 /// Most spans of one target a pass looks at: enough for a batch made of
 /// many small enqueue calls, bounded so a pass stays a bounded read.
 const SPANS_PER_PASS: usize = 64;
@@ -54,11 +63,27 @@ where
         target_id: &str,
         policy: &AttemptPolicy,
     ) -> Result<Batch, FanoutError> {
+        self.transaction(|sql| self.claim_in(sql, target_id, policy, Lanes::All))
+            .await
+    }
+
+    /// The claim of [`Inner::claim_batch`] inside the caller's transaction
+    /// (`settle` runs the next claim of a target in the commit that ends
+    /// its previous batch, `mod.rs` wires the two). With
+    /// [`Lanes::CursorOnly`], exception rows are left for a pass of their
+    /// own.
+    pub(crate) fn claim_in(
+        &self,
+        sql: &dyn Sql,
+        target_id: &str,
+        policy: &AttemptPolicy,
+        lanes: Lanes,
+    ) -> Result<Batch, FanoutError> {
         let now = self.engine.now();
         let timeout_ms = EpochMs::try_from(policy.attempt_timeout_ms).unwrap_or(EpochMs::MAX);
         let deadline = now.saturating_add(timeout_ms);
         let limit = self.max_batch_size;
-        self.transaction(|sql| {
+        {
             let mut batch = Batch {
                 claims: Vec::new(),
                 terminal: Vec::new(),
@@ -179,7 +204,7 @@ where
                 }
             }
             let room = limit.saturating_sub(batch.claims.len() + batch.terminal.len());
-            if room == 0 {
+            if room == 0 || lanes == Lanes::CursorOnly {
                 return Ok(batch);
             }
             for mut row in store::retries_due(sql, target_id, now, room)? {
@@ -200,8 +225,7 @@ where
                 batch.claims.push(Claim::new(row, manifest));
             }
             Ok(batch)
-        })
-        .await
+        }
     }
 
     /// A target that is no longer configured keeps its work: its due

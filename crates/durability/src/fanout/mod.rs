@@ -172,6 +172,7 @@ use crate::record::DurableTable;
 use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::{Engine, Participant, Scheduler};
 use batch::SettleState;
+use dispatch::Lanes;
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
 
@@ -182,6 +183,10 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = crate::limits::DEFAULT_MAX_BODY_BYTES;
 /// How long a removed target's due rows, and a dead letter whose DLQ write
 /// failed, wait before the next try; also the DLQ write's deadline.
 pub const INFRASTRUCTURE_RETRY: Duration = Duration::from_millis(60_000);
+/// Most batches one pass of a target hands over back to back, each claimed
+/// in the commit that ends the one before; then the pass yields to the
+/// scheduler (and to the target's due retries).
+const PIPELINED_BATCHES: u32 = 16;
 /// Most due rows of a removed target postponed by one pass.
 pub const MISSING_TARGET_POSTPONE_BATCH: usize = 1_000;
 
@@ -662,36 +667,56 @@ where
         )
     }
 
-    /// One bounded batch of one target: claim, hand over, settle.
+    /// Bounded batches of one target: claim, hand over, settle. While the
+    /// target acks whole batches and more is due, the commit that ends a
+    /// batch claims the next one, up to [`PIPELINED_BATCHES`] a pass.
     async fn run_target(self: &Rc<Self>, target_id: &str) -> Result<(), FanoutError> {
         let _permit = self.engine.acquire_permit().await?;
         let Some(target) = self.targets.get(target_id) else {
             return self.postpone_missing(target_id).await;
         };
         let policy = self.policies.resolve(target_id);
-        let batch = self.claim_batch(target_id, &policy).await?;
-        if batch.claims.is_empty() && batch.terminal.is_empty() && batch.range.is_none() {
-            return Ok(());
+        let mut batch = self.claim_batch(target_id, &policy).await?;
+        for round in 1..=PIPELINED_BATCHES {
+            if batch.claims.is_empty() && batch.terminal.is_empty() && batch.range.is_none() {
+                return Ok(());
+            }
+            let started_at = self.engine.now();
+            let states: Vec<Rc<SettleState>> = batch
+                .claims
+                .into_iter()
+                .map(|claim| Rc::new(SettleState::new(claim, policy.clone(), started_at)))
+                .collect();
+            let handover = if states.is_empty() {
+                None
+            } else {
+                Some(self.hand_over(target, &states, &policy).await)
+            };
+            let claim_next = |sql: &dyn Sql| {
+                (round < PIPELINED_BATCHES)
+                    .then(|| {
+                        self.claim_in(sql, target_id, &policy, Lanes::CursorOnly)
+                            .ok()
+                    })
+                    .flatten()
+                    .filter(|next| !next.claims.is_empty())
+            };
+            let next = self
+                .finish_batch(
+                    target_id,
+                    Some(target),
+                    &states,
+                    batch.terminal,
+                    batch.range,
+                    handover,
+                    &claim_next,
+                )
+                .await?;
+            match next {
+                Some(next) => batch = next,
+                None => return Ok(()),
+            }
         }
-        let started_at = self.engine.now();
-        let states: Vec<Rc<SettleState>> = batch
-            .claims
-            .into_iter()
-            .map(|claim| Rc::new(SettleState::new(claim, policy.clone(), started_at)))
-            .collect();
-        let handover = if states.is_empty() {
-            None
-        } else {
-            Some(self.hand_over(target, &states, &policy).await)
-        };
-        self.finish_batch(
-            target_id,
-            Some(target),
-            &states,
-            batch.terminal,
-            batch.range,
-            handover,
-        )
-        .await
+        Ok(())
     }
 }

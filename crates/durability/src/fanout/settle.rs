@@ -35,7 +35,7 @@ use futures::future::Either;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::batch::{Claim, ClaimedRange, Handover, SettleState, SharedSettlement};
+use super::batch::{Batch, Claim, ClaimedRange, Handover, SettleState, SharedSettlement};
 use super::error::{FanoutError, SettlementError, timeout_error};
 use super::message::{Failure, Settling, StoredMessage};
 use super::outcome::{DeadLetterReason, SettlementOutcome};
@@ -46,6 +46,11 @@ use crate::codec;
 use crate::error::{HandlerError, SerializedError};
 use crate::lifecycle::{LifecycleEvent, Outcome, TerminalReason};
 use crate::retry::{AttemptPolicy, decide_retry};
+
+/// Claims a target's next batch inside the commit that ends its previous
+/// one (given by `mod.rs`, which wires `dispatch` in): `None` when nothing
+/// is due or the claim could not be made (the next pass claims as usual).
+pub(crate) type NextClaim<'a> = &'a dyn Fn(&dyn durability_platform::Sql) -> Option<Batch>;
 
 impl<B> Inner<B>
 where
@@ -199,15 +204,20 @@ where
     /// stays with that attempt and is not reported. If the transaction
     /// fails, the messages are "finished, not completed", and the pass
     /// reads them again before retrying them.
+    ///
+    /// When the cursor moves, `next` may claim the target's next batch in
+    /// the same commit (one commit per batch instead of two while a backlog
+    /// lasts).
     async fn ack_together(
         &self,
         states: &[Rc<SettleState>],
         acked: &[&Rc<SettleState>],
         range: Option<ClaimedRange>,
         target_id: &str,
-    ) -> Result<bool, SettlementError> {
+        next: Option<NextClaim<'_>>,
+    ) -> Result<(bool, Option<Batch>), SettlementError> {
         if acked.is_empty() {
-            return Ok(false);
+            return Ok((false, None));
         }
         for state in acked {
             state.choose(SettlementOutcome::Ack);
@@ -248,25 +258,31 @@ where
                         removed.insert(row.id.as_str());
                     }
                 }
-                Ok::<_, StorageError>((removed, moved))
+                let claimed = match next {
+                    Some(claim) if moved => claim(sql),
+                    _ => None,
+                };
+                Ok::<_, StorageError>((removed, moved, claimed))
             })
             .await;
         for state in acked {
             state.finished.set(true);
         }
-        let (removed, moved) = result?;
+        let (removed, moved, claimed) = result?;
         for state in acked {
             if removed.contains(state.claim.row.id.as_str()) {
                 state.completed.set(true);
                 self.emit_completed(state);
             }
         }
-        Ok(moved)
+        Ok((moved, claimed))
     }
 
     /// Ends the batch after the target's turn: acks on return or a storage
     /// target's writes, retries what is left unsettled, dead-letters the
-    /// terminal deliveries, then moves the cursor past its range.
+    /// terminal deliveries, then moves the cursor past its range. Returns
+    /// the next batch when `next` claimed it in the commit of the acks.
+    #[allow(clippy::too_many_arguments)] // one caller (the pass), each argument named there
     pub(crate) async fn finish_batch(
         &self,
         target_id: &str,
@@ -275,7 +291,9 @@ where
         terminal: Vec<Claim>,
         mut range: Option<ClaimedRange>,
         handover: Option<Handover>,
-    ) -> Result<(), FanoutError> {
+        next: NextClaim<'_>,
+    ) -> Result<Option<Batch>, FanoutError> {
+        let mut claimed = None;
         // The range moves with the acks only if nothing of it is left to
         // dead-letter first.
         let movable = range.filter(|_| terminal.iter().all(|c| c.row.lane != Lane::Cursor));
@@ -292,12 +310,24 @@ where
                 if acks_on_return {
                     let unsettled: Vec<&Rc<SettleState>> =
                         states.iter().filter(|state| state.is_unsettled()).collect();
+                    // Only a clean batch (every delivery acked at once)
+                    // claims the next one in the same commit.
+                    let clean = unsettled.len() == states.len() && terminal.is_empty();
                     match self
-                        .ack_together(states, &unsettled, movable, target_id)
+                        .ack_together(
+                            states,
+                            &unsettled,
+                            movable,
+                            target_id,
+                            Some(next).filter(|_| clean),
+                        )
                         .await
                     {
-                        Ok(true) => range = None,
-                        Ok(false) => {}
+                        Ok((true, next)) => {
+                            range = None;
+                            claimed = next;
+                        }
+                        Ok((false, _)) => {}
                         Err(error) => failure = error.to_handler_error(),
                     }
                 }
@@ -312,11 +342,11 @@ where
             .collect();
         let mut written_failure = None;
         match self
-            .ack_together(states, &written, movable.and(range), target_id)
+            .ack_together(states, &written, movable.and(range), target_id, None)
             .await
         {
-            Ok(true) => range = None,
-            Ok(false) => {}
+            Ok((true, _)) => range = None,
+            Ok((false, _)) => {}
             Err(error) => written_failure = Some(error.to_handler_error()),
         }
         if let Some(failure) = written_failure.or(failure) {
@@ -335,7 +365,7 @@ where
         if let Some(claimed) = range {
             self.finish_range(target_id, states, claimed).await?;
         }
-        Ok(())
+        Ok(claimed)
     }
 
     /// Moves the cursor past its claimed range, or, while a settlement of
