@@ -99,8 +99,10 @@ use thiserror::Error;
 pub use gate::Gate;
 
 /// Where a [`TestHost`]'s clock starts unless told otherwise: 2025-01-01
-/// 00:00:00 UTC, a fixed instant so stored times are the same on every run.
-pub const DEFAULT_CLOCK_START_MS: EpochMs = 1_735_689_600_000;
+/// 12:34:56.789 UTC, a fixed instant so stored times are the same on every
+/// run. Deliberately not on a round boundary: work rounded to a window
+/// (a fanout's `batch_delay`) would otherwise fall due at the very start.
+pub const DEFAULT_CLOCK_START_MS: EpochMs = 1_735_734_896_789;
 
 /// How many scheduler turns [`TestHost::settle`] gives the objects: enough
 /// for a chain of due work (an alarm run, its commits, the timers it arms

@@ -198,8 +198,8 @@ fn a_failed_forced_run_is_retried_by_the_host_from_the_given_count() -> TestResu
         );
         // Retry 6 (the last) comes after 2^5 * 2 s = 64 s; then it is dropped.
         kit.advance(Duration::from_secs(64)).await;
-        let counts: Vec<u32> = note
-            .run(|n: Rc<Notes>| async move {
+        let counts: Vec<u32> =
+            note.run(|n: Rc<Notes>| async move {
                 n.alarms.borrow().iter().map(|i| i.retry_count).collect()
             })
             .await?;
@@ -238,9 +238,7 @@ fn fire_alarm_does_not_start_a_second_run_beside_a_running_one() -> TestResult {
 fn an_alarm_of_an_object_without_an_alarm_handler_is_kept_and_not_retried() -> TestResult {
     run(async || {
         let kit = TestHost::start()?;
-        let plain = kit
-            .namespace("plain", |ctx| Ok(Plain(ctx)))?
-            .object("p")?;
+        let plain = kit.namespace("plain", |ctx| Ok(Plain(ctx)))?.object("p")?;
         let at = kit.now_ms() + 1_000;
         plain
             .run(move |p: Rc<Plain>| async move { p.0.storage().set_alarm(at).await })
@@ -308,10 +306,7 @@ fn restart_keeps_storage_and_alarms_drops_memory_and_continues_the_clock() -> Te
         kit.advance(Duration::from_secs(10)).await;
         let before = kit.now_ms();
         kit.restart().await?;
-        assert!(matches!(
-            in_flight.await?,
-            Err(CallError::Aborted { .. })
-        ));
+        assert!(matches!(in_flight.await?, Err(CallError::Aborted { .. })));
         assert_eq!(kit.now_ms(), before, "the clock continues");
         assert_eq!(note.count("notes")?, 1);
         assert_eq!(note.stored_alarm()?, Some(at));
@@ -322,7 +317,13 @@ fn restart_keeps_storage_and_alarms_drops_memory_and_continues_the_clock() -> Te
         kit.advance(Duration::from_secs(50)).await;
         assert_eq!(note.stored_alarm()?, None, "the new host delivered it");
         // The old host's handles are dead; the kit's follow the new host.
-        assert!(objects.object("b")?.run(|_n: Rc<Notes>| async {}).await.is_ok());
+        assert!(
+            objects
+                .object("b")?
+                .run(|_n: Rc<Notes>| async {})
+                .await
+                .is_ok()
+        );
         gate.open();
         kit.shutdown().await;
         Ok(())
@@ -350,11 +351,15 @@ fn query_reads_committed_rows_without_waking_and_refuses_writes() -> TestResult 
     run(async || {
         let kit = TestHost::start()?;
         let note = kit.namespace("notes", notes)?.object("a")?;
-        let never = kit.namespace("plain", |ctx| Ok(Plain(ctx)))?.object("none")?;
+        let never = kit
+            .namespace("plain", |ctx| Ok(Plain(ctx)))?
+            .object("none")?;
         let missing = never.query("SELECT 1", &[]);
         assert!(matches!(
             missing,
-            Err(KitError::Host(HostError::Storage(StorageError::Unavailable { .. })))
+            Err(KitError::Host(HostError::Storage(
+                StorageError::Unavailable { .. }
+            )))
         ));
         assert_eq!(never.stored_alarm()?, None);
         note.run(|n: Rc<Notes>| async move {
@@ -405,7 +410,11 @@ fn fail_next_commit_fails_one_commit_of_the_objects_code_and_writes_nothing() ->
         let failed = insert("lost").await?;
         assert!(matches!(failed, Err(StorageError::Full { .. })));
         assert_eq!(note.count("notes")?, 0);
-        assert_eq!(note.stored_alarm()?, None, "the alarm rolled back with the rows");
+        assert_eq!(
+            note.stored_alarm()?,
+            None,
+            "the alarm rolled back with the rows"
+        );
         insert("kept").await??;
         assert_eq!(note.count("notes")?, 1, "armed once");
         kit.shutdown().await;

@@ -8,7 +8,7 @@
 //! `Harness`), lifecycle event traces, and `open_host` for directories
 //! another process wrote (on the system clock, as that process was).
 
-#![allow(dead_code)] // each test binary uses a different part of the support module
+#![allow(dead_code, unused_imports)] // each test binary uses a different part of the support module
 
 use std::future::Future;
 use std::path::Path;
