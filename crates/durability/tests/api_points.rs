@@ -36,7 +36,7 @@ async fn a_settlement_dropped_unawaited_still_settles() {
                 Target::consumer(|batch: Vec<FanoutMessage<String>>| async move {
                     // Settled without awaiting: the outcome is ignored on
                     // purpose, the settlement is not.
-                    let _ = batch[0].dead_letter();
+                    drop(batch[0].dead_letter());
                     Ok::<_, HandlerError>(())
                 })
                 .ack_on_return(true),

@@ -136,8 +136,8 @@ pub struct StoredMessage<B> {
 ///
 /// The eagerness cannot go unnoticed: the type and the calls are
 /// `#[must_use]`, so `message.ack();` warns; write
-/// `message.ack().await?` (or `let _ = message.ack();` to settle
-/// without learning the outcome, on purpose).
+/// `message.ack().await?` (or `drop(message.ack());` to settle without
+/// learning the outcome, on purpose).
 ///
 /// ```compile_fail
 /// #![deny(unused_must_use)]
@@ -146,7 +146,7 @@ pub struct StoredMessage<B> {
 /// }
 /// ```
 #[derive(Clone)]
-#[must_use = "the settlement has already started (it is eager); await it to learn whether it was accepted, or `let _ =` to ignore the outcome on purpose"]
+#[must_use = "the settlement has already started (it is eager); await it to learn whether it was accepted, or `drop` it to ignore the outcome on purpose"]
 pub struct Settling(Shared<LocalBoxFuture<'static, Result<(), SettlementError>>>);
 
 impl Settling {

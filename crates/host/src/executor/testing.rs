@@ -26,15 +26,18 @@ pub(crate) enum Forced {
     Started(oneshot::Receiver<Result<(), String>>),
 }
 
+/// An executor's key: its host core's address and its index there.
+type ExecutorKey = (usize, usize);
+
 thread_local! {
-    /// The executors running on this thread, by (host core address,
-    /// executor index). Weak: the registry never keeps an executor alive.
-    static EXECUTORS: RefCell<Vec<((usize, usize), Weak<Executor>)>> =
+    /// The executors running on this thread. Weak: the registry never
+    /// keeps an executor alive.
+    static EXECUTORS: RefCell<Vec<(ExecutorKey, Weak<Executor>)>> =
         const { RefCell::new(Vec::new()) };
 }
 
 /// Keeps an executor in this thread's registry while it runs.
-pub(crate) struct Registered((usize, usize));
+pub(crate) struct Registered(ExecutorKey);
 
 impl Drop for Registered {
     fn drop(&mut self) {
@@ -47,7 +50,7 @@ impl Drop for Registered {
     }
 }
 
-fn key_of(executor: &Executor) -> (usize, usize) {
+fn key_of(executor: &Executor) -> ExecutorKey {
     (Arc::as_ptr(&executor.core) as usize, executor.index)
 }
 
