@@ -4,9 +4,11 @@
 //! integration (`runInDurableObject`, `runDurableObjectAlarm`) and tokio's
 //! paused clock let you do elsewhere.
 //!
-//! One call, [`block_on`], gives a current-thread runtime on paused tokio
-//! time with a `LocalSet`; [`TestHost`] gives an inline host (objects run on
-//! the test's own thread) in a temp dir whose clock starts where you say.
+//! One call, [`TestHost::run`] (or [`TestHostBuilder::run`] to set the
+//! clock's start), gives a current-thread runtime on paused tokio time with
+//! a `LocalSet` and an inline host (objects run on the test's own thread) in
+//! a temp dir, runs your test and shuts the host down. ([`block_on`] and
+//! [`TestHost::start`] are the two halves, for tests that want them apart.)
 //! From there:
 //!
 //! | you want to | call |
@@ -48,7 +50,7 @@
 //! The shortest test:
 //!
 //! ```
-//! use durability_test::{block_on, TestHost};
+//! use durability_test::TestHost;
 //! use durability_host::{DurableObject, ObjectContext};
 //! use durability_platform::{Context, StorageExt, params};
 //!
@@ -56,8 +58,8 @@
 //! impl DurableObject for Counter {}
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! block_on(async {
-//!     let kit = TestHost::start()?;
+//! TestHost::builder().clock_start_ms(1_000_000).run(async |kit| {
+//!     assert_eq!(kit.now_ms(), 1_000_000);
 //!     let counters = kit.namespace("counters", |ctx| {
 //!         ctx.storage().execute_script("CREATE TABLE IF NOT EXISTS n (v INTEGER)")?;
 //!         Ok(Counter(ctx))
@@ -68,10 +70,8 @@
 //!         .await??;
 //!     kit.restart().await?; // a crash: memory gone, storage kept
 //!     assert_eq!(counter.count("n")?, 1);
-//!     kit.shutdown().await;
 //!     Ok::<_, Box<dyn std::error::Error>>(())
-//! })??;
-//! # Ok(())
+//! })
 //! # }
 //! ```
 
@@ -195,6 +195,23 @@ impl TestHostBuilder {
         self
     }
 
+    /// Runs a whole test in one call: a paused-time runtime ([`block_on`]),
+    /// this host, `body` with it, then a graceful shutdown. `body`'s error
+    /// type only needs to take a [`KitError`] (`Box<dyn Error>` does).
+    pub fn run<F, Fut, T, E>(self, body: F) -> Result<T, E>
+    where
+        F: FnOnce(TestHost) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: From<KitError>,
+    {
+        block_on(async move {
+            let kit = self.build()?;
+            let output = body(kit.clone()).await;
+            kit.shutdown().await;
+            output
+        })?
+    }
+
     /// Builds the host: inline (`threads(0)`), so call it inside a
     /// `LocalSet` on a runtime with time enabled; [`block_on`] gives both,
     /// on paused time.
@@ -244,6 +261,17 @@ impl TestHost {
     /// A host with the defaults of [`TestHost::builder`].
     pub fn start() -> Result<TestHost, KitError> {
         Self::builder().build()
+    }
+
+    /// Runs a whole test in one call with the default settings; see
+    /// [`TestHostBuilder::run`].
+    pub fn run<F, Fut, T, E>(body: F) -> Result<T, E>
+    where
+        F: FnOnce(TestHost) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+        E: From<KitError>,
+    {
+        Self::builder().run(body)
     }
 
     /// Starts configuring a test host.

@@ -423,6 +423,23 @@ fn fail_next_commit_fails_one_commit_of_the_objects_code_and_writes_nothing() ->
 }
 
 #[test]
+fn run_gives_a_host_in_one_call_and_shuts_it_down() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let now = TestHost::builder()
+        .clock_start_ms(42_000)
+        .data_dir(dir.path())
+        .run(async |kit: TestHost| Ok::<_, KitError>(kit.now_ms()))?;
+    assert_eq!(now, 42_000);
+    // Shut down: the directory's lock is free for another host.
+    block_on(async {
+        let again = TestHost::builder().data_dir(dir.path()).build()?;
+        again.shutdown().await;
+        Ok::<_, KitError>(())
+    })??;
+    Ok(())
+}
+
+#[test]
 fn kit_errors_have_a_matchable_kind() -> TestResult {
     run(async || {
         let kit = TestHost::start()?;
