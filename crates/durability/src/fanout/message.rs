@@ -145,6 +145,13 @@ pub struct StoredMessage<B> {
 ///     message.ack(); // warns: the outcome of an eager settlement is dropped
 /// }
 /// ```
+///
+/// ```
+/// #![deny(unused_must_use)]
+/// fn settle(message: &durability::fanout::FanoutMessage<String>) {
+///     drop(message.ack()); // settles; the outcome is ignored on purpose
+/// }
+/// ```
 #[derive(Clone)]
 #[must_use = "the settlement has already started (it is eager); await it to learn whether it was accepted, or `drop` it to ignore the outcome on purpose"]
 pub struct Settling(Shared<LocalBoxFuture<'static, Result<(), SettlementError>>>);
