@@ -859,6 +859,8 @@ impl AlarmRun {
         let Some(entry) = self.entry.take() else {
             return;
         };
+        // Sent first, but the bookkeeping below is synchronous: the waiter
+        // resumes only after the alarm was cleared, kept or rescheduled.
         if let Some(report) = self.report.take() {
             let _ = report.send(result.as_ref().map(|_| ()).map_err(ToString::to_string));
         }
