@@ -859,11 +859,18 @@ impl AlarmRun {
         let Some(entry) = self.entry.take() else {
             return;
         };
-        // Sent first, but the bookkeeping below is synchronous: the waiter
-        // resumes only after the alarm was cleared, kept or rescheduled.
-        if let Some(report) = self.report.take() {
-            let _ = report.send(result.as_ref().map(|_| ()).map_err(ToString::to_string));
+        let report = self.report.take();
+        let outcome = result.as_ref().map(|_| ()).map_err(ToString::to_string);
+        self.settle(slot, entry, result);
+        // Only now: whoever waits (on another thread, perhaps) must see
+        // the alarm already cleared, kept or rescheduled.
+        if let Some(report) = report {
+            let _ = report.send(outcome);
         }
+    }
+
+    /// Clears, keeps or reschedules the alarm after its handler ended.
+    fn settle(&self, slot: &Slot, entry: Entry, result: Result<(), BoxError>) {
         let executor = &self.executor;
         let storage = slot.ctx.object_storage();
         let changed = storage.end_fire();

@@ -452,3 +452,47 @@ fn kit_errors_have_a_matchable_kind() -> TestResult {
         Ok(())
     })
 }
+
+/// The host's testing API is not only for inline hosts: a threaded host
+/// restarts on its directory and fires alarms on demand too (only
+/// `run_local` needs the objects on the caller's thread).
+#[test]
+fn a_threaded_host_restarts_and_fires_alarms_on_demand() -> TestResult {
+    run(async || {
+        let dir = tempfile::tempdir()?;
+        let host = Host::builder(dir.path()).threads(2).build()?;
+        let stub = host.namespace("notes", notes)?.stub("a")?;
+        let at = host.now_ms() + 3_600_000;
+        stub.call(move |n: Rc<Notes>| async move {
+            n.ctx
+                .storage()
+                .execute("INSERT INTO notes (text) VALUES ('kept')", &[])?;
+            n.arm(at).await
+        })
+        .await??;
+        let host = host.restart().await?;
+        assert!(
+            stub.call(|_n: Rc<Notes>| async {}).await.is_err(),
+            "the old host's stubs are dead"
+        );
+        let stub = host.registered_namespace::<Notes>("notes")?.stub("a")?;
+        assert_eq!(host.stored_alarm(stub.id())?, Some(at));
+        assert_eq!(
+            stub.fire_alarm(AlarmInfo {
+                retry_count: 0,
+                is_retry: false
+            })
+            .await?,
+            FiredAlarm::Ran
+        );
+        assert_eq!(host.stored_alarm(stub.id())?, None);
+        let rows = host.query_object(stub.id(), "SELECT text FROM notes", &[])?;
+        assert_eq!(rows.len(), 1);
+        assert!(matches!(
+            host.registered_namespace::<Notes>("missing"),
+            Err(HostError::UnknownNamespace { .. })
+        ));
+        host.shutdown().await;
+        Ok(())
+    })
+}
