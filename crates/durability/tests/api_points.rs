@@ -243,3 +243,107 @@ fn a_routing_client_inside_an_object_can_push_to_that_same_object() -> TestResul
         Ok::<_, Box<dyn std::error::Error>>(())
     })?
 }
+
+/// Config errors name the Rust setter the value came through (never a form
+/// with units or rules in it); the rule and its units are in the message.
+#[tokio::test(start_paused = true)]
+async fn config_errors_name_the_setter_the_value_came_through() {
+    use durability::error::ConfigError;
+    use durability::log::{Leases, Log, Retention};
+    use durability::retry::Delay;
+    use durability::{DurabilityError, ErrorKind};
+
+    fn field(error: &ConfigError) -> &str {
+        match error {
+            ConfigError::NotPositive { field }
+            | ConfigError::OutOfRange { field, .. }
+            | ConfigError::DurationOutOfRange { field, .. }
+            | ConfigError::AboveTimerLimit { field, .. }
+            | ConfigError::InvalidDelay { field, .. } => field,
+            other => panic!("not a field error: {other:?}"),
+        }
+    }
+    fn config(error: DurabilityError) -> ConfigError {
+        assert_eq!(error.kind(), ErrorKind::InvalidConfig);
+        match error {
+            DurabilityError::Config(error) => error,
+            other => panic!("not a config error: {other:?}"),
+        }
+    }
+
+    support::on_harness(|h| async move {
+        let scheduler = Scheduler::new(h.context()).unwrap();
+        let sub_millisecond = Duration::from_micros(1_500);
+        let cases: Vec<(ConfigError, &str)> = vec![
+            (
+                config(
+                    Log::<String>::builder(&scheduler)
+                        .leases(Leases::new().lease_for(sub_millisecond))
+                        .build()
+                        .err()
+                        .unwrap(),
+                ),
+                "leases.lease_for",
+            ),
+            (
+                config(
+                    Log::<String>::builder(&scheduler)
+                        .retention(Retention::new().max_age(sub_millisecond))
+                        .build()
+                        .err()
+                        .unwrap(),
+                ),
+                "retention.max_age",
+            ),
+            (
+                config(
+                    Operations::builder(&scheduler)
+                        .attempt_timeout(Duration::ZERO)
+                        .build()
+                        .err()
+                        .unwrap(),
+                ),
+                "attempt_timeout",
+            ),
+            (
+                config(
+                    Operations::builder(&scheduler)
+                        .retry_delay(Delay::Fixed { ms: -1.0 })
+                        .build()
+                        .err()
+                        .unwrap(),
+                ),
+                "retry_delay.ms",
+            ),
+            (
+                match Fanout::<String>::builder(&scheduler)
+                    .target(
+                        "t",
+                        Target::consumer(|_: Vec<FanoutMessage<String>>| async {
+                            Ok::<_, HandlerError>(())
+                        }),
+                    )
+                    .batch_delay(Duration::from_secs(u64::MAX))
+                    .build()
+                {
+                    Err(durability::fanout::FanoutConfigError::Config(error)) => error,
+                    other => panic!("expected a config error, got {:?}", other.err()),
+                },
+                "batch_delay",
+            ),
+        ];
+        for (error, setter) in &cases {
+            assert_eq!(field(error), *setter, "{error}");
+            assert!(error.to_string().starts_with(setter), "{error}");
+            assert!(
+                !error.to_string().contains('('),
+                "no rule in the name: {error}"
+            );
+        }
+        assert_eq!(
+            cases[0].0.to_string(),
+            "leases.lease_for must be a whole number of milliseconds from 1 ms to 2147483647 ms"
+        );
+    })
+    .await;
+}
