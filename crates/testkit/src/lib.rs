@@ -34,6 +34,24 @@
 //! The kit is built on the host's `testing` feature, which it enables; use
 //! it from `[dev-dependencies]` only.
 //!
+//! Decisions where a user might guess otherwise:
+//! - **Inline only.** Objects run on the test's thread (`threads(0)`), which
+//!   is what makes paused time deterministic and lets [`TestObject::run`]
+//!   return values that are not `Send`. (The host's testing API itself also
+//!   works on threaded hosts, except `Stub::run_local`.)
+//! - **A fixed, non-round clock start** ([`DEFAULT_CLOCK_START_MS`]), so
+//!   stored times repeat from run to run and windowed work (a fanout's
+//!   `batch_delay`) does not fall due at the very first instant.
+//! - **A restart is a crash, not a shutdown:** nothing in flight gets a
+//!   grace period, and the clock continues where it was.
+//! - **A forced alarm run is a delivery:** it replaces the timed one and
+//!   ends by the host's rules (cleared, kept, or retried with backoff).
+//! - **Table reads never wake the object:** they use a read-only connection
+//!   of their own and see committed rows only.
+//! - **An injected failure hits the object's own code:** the object is
+//!   constructed before the failure is armed, so its factory's migrations
+//!   are not the commit that fails.
+//!
 //! # Examples
 //!
 //! One complete example per capability, each a test of a user's own object:
