@@ -128,6 +128,15 @@ pub struct OperationsBuilder {
 impl OperationsBuilder {
     /// Registers the handler of the operation `name`: it receives the
     /// decoded payload and returns a result that is stored as JSON.
+    ///
+    /// A stored payload that does not decode as `P` fails the attempt
+    /// without calling the handler. If it is valid stored text of another
+    /// type, that is an ordinary, retryable failure (a fixed deployment may
+    /// read it). If it is not in the stored format at all (a row written by
+    /// hand as `'null'` instead of `{"kind":"value","value":null}`), no
+    /// deployment can ever read it: the operation fails for good at its
+    /// first attempt with a `NonRetryableError` that says what is wrong and
+    /// what the format is, logged once.
     pub fn handler<P, R, F, Fut>(mut self, name: &str, handler: F) -> Self
     where
         P: DeserializeOwned + 'static,
