@@ -136,7 +136,7 @@ impl MailObject {
                     let mut acked = batch.len();
                     if let Some(every) = fail_one_in {
                         for message in &batch {
-                            if message.attempt == 1 && number(&message.id) % every == 0 {
+                            if message.attempt == 1 && number(&message.id).is_multiple_of(every) {
                                 // Started at once; an explicit retry wins
                                 // over the ack on return.
                                 drop(message.retry());
