@@ -61,6 +61,9 @@
 //!   deadline, the attempt counted, and the batch is delivered again, never
 //!   skipped), then due exception rows, each claimed by a compare-and-set
 //!   on its attempt; then one call of the target with the whole batch.
+//!   While a target acks whole batches and more is due, the commit that
+//!   moves its cursor past one batch claims the next (one commit per batch
+//!   instead of two, at most 16 batches a pass).
 //! - **Settlement** (`settle`): an explicit settlement of a delivery on the
 //!   cursor gives it a row (a retry, dead-letter intent, or a tombstone for
 //!   an ack), guarded by the cursor's claim; of an exception row, a
