@@ -58,7 +58,7 @@ pub enum ErrorKind {
     InvalidInput,
     /// A value cannot be stored as JSON (NaN, a failing `Serialize`).
     NotJson,
-    /// A body is larger than the configured maximum.
+    /// A body, identifier or key is larger than its limit.
     TooLarge,
     /// An id or key already names different work (a duplicate call, a
     /// deduplication or log key conflict).
@@ -118,6 +118,18 @@ impl DurabilityError {
             DurabilityError::UnknownHandler { .. } => ErrorKind::UnknownHandler,
             DurabilityError::OperationMismatch { .. } => ErrorKind::OperationMismatch,
             DurabilityError::Limit(error) => error.kind(),
+        }
+    }
+}
+
+impl LimitError {
+    /// The kind of this error: [`ErrorKind::TooLarge`] for an identifier or
+    /// body over its byte limit, [`ErrorKind::InvalidInput`] for an empty
+    /// identifier or too many items in one call.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            LimitError::TooLong { .. } => ErrorKind::TooLarge,
+            LimitError::Empty { .. } | LimitError::TooMany { .. } => ErrorKind::InvalidInput,
         }
     }
 }
@@ -256,14 +268,6 @@ impl AppendRejection {
             }
             AppendRejection::Limit { limit, .. } => limit.kind(),
         }
-    }
-}
-
-impl LimitError {
-    /// The kind of this error: an input out of its bound is
-    /// [`ErrorKind::InvalidInput`] (nothing was written).
-    pub fn kind(&self) -> ErrorKind {
-        ErrorKind::InvalidInput
     }
 }
 

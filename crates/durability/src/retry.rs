@@ -300,13 +300,14 @@ impl PolicyOptions {
     /// attempt timeout, the attempt count, the delay, then each method in
     /// the order it was added.
     pub fn validate(self) -> Result<Policies, ConfigError> {
+        // Fields are named by the builders' setters (`attempt_timeout`,
+        // `max_attempts`, `retry_delay`) and, for a method override, by
+        // `method("name")` and the `MethodPolicy` setter.
         self.validate_as("attempt_timeout", "retry_delay")
     }
 
     /// [`PolicyOptions::validate`], naming the timeout and the delay as the
-    /// helper's own setters do. Fields are named by the builders' setters
-    /// and, for a method override, by `method("name")` and the
-    /// `MethodPolicy` setter.
+    /// helper's own setters do (`attempt_timeout`, `retry_delay`).
     pub(crate) fn validate_as(
         self,
         timeout_field: &str,

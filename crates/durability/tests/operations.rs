@@ -1454,7 +1454,7 @@ async fn every_setting_is_bounded_at_build_with_a_typed_error() {
             .build();
         assert_eq!(
             build_error(built).as_deref(),
-            Some("methods.op.delay.ms must be between 0 and 31536000000")
+            Some("method(\"op\").delay.ms must be between 0 and 31536000000")
         );
     })
     .await;
