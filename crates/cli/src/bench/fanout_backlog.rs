@@ -26,8 +26,9 @@ use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "fanout-backlog";
 
-/// Backlog messages per enqueue call while seeding.
-const SEED_BATCH: u64 = 10_000;
+/// Backlog messages per enqueue call while seeding (the fanout's default
+/// `max_enqueue_messages`).
+const SEED_BATCH: u64 = 1_000;
 /// The paused target's rows are first due at the next multiple of this
 /// batch delay, centuries away, so they are never due during the run.
 const FAR_FUTURE_BATCH_DELAY: Duration = Duration::from_millis(10_000_000_000_000);

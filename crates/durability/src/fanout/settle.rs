@@ -310,17 +310,11 @@ where
                 if acks_on_return {
                     let unsettled: Vec<&Rc<SettleState>> =
                         states.iter().filter(|state| state.is_unsettled()).collect();
-                    // Only a clean batch (every delivery acked at once)
-                    // claims the next one in the same commit.
-                    let clean = unsettled.len() == states.len() && terminal.is_empty();
+                    // The next batch is claimed only in the commit that
+                    // moves the cursor past this whole one (every delivery
+                    // of its range acked or settled for good).
                     match self
-                        .ack_together(
-                            states,
-                            &unsettled,
-                            movable,
-                            target_id,
-                            Some(next).filter(|_| clean),
-                        )
+                        .ack_together(states, &unsettled, movable, target_id, Some(next))
                         .await
                     {
                         Ok((true, next)) => {
