@@ -427,6 +427,14 @@ pub enum DurabilityError {
     #[error("no handler is registered for {kind} \"{name}\"")]
     UnknownHandler { kind: &'static str, name: String },
     /// A completed operation row without a result.
+    /// A recurring schedule was rejected (named alarms).
+    #[error(transparent)]
+    Recurrence(#[from] crate::alarms::RecurrenceError),
+
+    /// `pause`/`resume` named an alarm that has no recurring schedule.
+    #[error("named alarm \"{name}\" has no recurring schedule")]
+    NotRecurring { name: String },
+
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },
 }
