@@ -472,7 +472,7 @@ mod tests {
             ("object-1".to_owned(), "skip".to_owned()),
             Stored {
                 // Registered at 1_010: the first tick ("skip" ticks every
-                // 50 ms) is 1_050.
+                // 150 ms) is 1_050.
                 created_at: 1_010,
                 missed,
                 pending: Some(pending),
@@ -485,40 +485,40 @@ mod tests {
     fn consecutive_ticks_and_explained_gaps_pass() {
         let facts = [
             fact("g1", 1_050, 0),
-            fact("g2", 1_100, 0),
+            fact("g2", 1_200, 0),
             // A retry of one tick: same generation.
-            fact("g2", 1_100, 0),
-            fact("g3", 1_250, 2),
+            fact("g2", 1_200, 0),
+            fact("g3", 1_650, 2),
         ];
-        let tally = verdict(&facts, 1_350, 1);
+        let tally = verdict(&facts, 1_950, 1);
         assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
         assert_eq!((tally.accepted, tally.completed), (6, 6));
     }
 
     #[test]
     fn a_gap_the_missed_counts_do_not_explain_is_a_lost_occurrence() {
-        let facts = [fact("g1", 1_050, 0), fact("g3", 1_200, 1)];
-        let tally = verdict(&facts, 1_250, 0);
+        let facts = [fact("g1", 1_050, 0), fact("g3", 1_500, 1)];
+        let tally = verdict(&facts, 1_650, 0);
         assert_eq!(tally.lost, 1, "{:?}", tally.examples());
         // The pending occurrence was stored too far ahead.
-        let tally = verdict(&[fact("g1", 1_050, 0)], 1_200, 0);
+        let tally = verdict(&[fact("g1", 1_050, 0)], 1_500, 0);
         assert_eq!(tally.lost, 2);
     }
 
     #[test]
     fn a_tick_run_as_two_occurrences_is_doubled() {
         let facts = [fact("g1", 1_050, 0), fact("g2", 1_050, 0)];
-        let tally = verdict(&facts, 1_100, 0);
+        let tally = verdict(&facts, 1_200, 0);
         assert_eq!(tally.broken.get("doubled_occurrences"), Some(&1));
-        let facts = [fact("g1", 1_050, 0), fact("g1", 1_100, 0)];
-        let tally = verdict(&facts, 1_150, 0);
+        let facts = [fact("g1", 1_050, 0), fact("g1", 1_200, 0)];
+        let tally = verdict(&facts, 1_350, 0);
         assert_eq!(tally.broken.get("doubled_occurrences"), Some(&1));
     }
 
     #[test]
     fn a_missed_count_larger_than_the_gap_is_flagged() {
-        let facts = [fact("g1", 1_050, 0), fact("g2", 1_100, 3)];
-        let tally = verdict(&facts, 1_150, 0);
+        let facts = [fact("g1", 1_050, 0), fact("g2", 1_200, 3)];
+        let tally = verdict(&facts, 1_350, 0);
         assert_eq!(tally.broken.get("miscounted_missed"), Some(&1));
     }
 }
