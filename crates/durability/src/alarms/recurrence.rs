@@ -558,3 +558,164 @@ fn check_safe(field: &'static str, value: u64, min: u64) -> Result<(), Recurrenc
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR_MS: i64 = 3_600_000;
+    /// 2025-03-30T00:00:00Z: the night Europe springs forward (02:00 -> 03:00 local).
+    const SPRING_2025_MS: i64 = 1_743_292_800_000;
+    /// 2025-10-26T00:00:00Z: the night Europe falls back (03:00 -> 02:00 local).
+    const AUTUMN_2025_MS: i64 = 1_761_436_800_000;
+
+    fn ticks(recurrence: &Recurrence, from: EpochMs, count: usize) -> Vec<EpochMs> {
+        let mut ticks = Vec::with_capacity(count);
+        let mut at = from;
+        for _ in 0..count {
+            at = recurrence.next_after(at).unwrap();
+            ticks.push(at);
+        }
+        ticks
+    }
+
+    #[test]
+    fn a_skipped_local_time_runs_once_right_after_the_gap() {
+        let nightly = Recurrence::cron("30 2 * * *", "Europe/Paris").unwrap();
+        // 02:30 does not exist on 30 March: 03:00 CEST = 01:00Z.
+        let spring = ticks(&nightly, SPRING_2025_MS - 12 * HOUR_MS, 2);
+        assert_eq!(
+            spring,
+            [
+                SPRING_2025_MS + HOUR_MS,
+                SPRING_2025_MS + 24 * HOUR_MS + 30 * 60_000
+            ]
+        );
+    }
+
+    #[test]
+    fn a_repeated_local_time_runs_once_at_its_first_instant() {
+        let nightly = Recurrence::cron("30 2 * * *", "Europe/Paris").unwrap();
+        // 02:30 CEST = 00:30Z; the second 02:30 (CET, 01:30Z) does not run.
+        let autumn = ticks(&nightly, AUTUMN_2025_MS - 12 * HOUR_MS, 2);
+        assert_eq!(
+            autumn,
+            [
+                AUTUMN_2025_MS + 30 * 60_000,
+                AUTUMN_2025_MS + 25 * HOUR_MS + 30 * 60_000
+            ]
+        );
+    }
+
+    #[test]
+    fn an_hourly_pattern_follows_real_hours_through_both_changes() {
+        let hourly = Recurrence::cron("0 * * * *", "Europe/Paris").unwrap();
+        for night in [SPRING_2025_MS, AUTUMN_2025_MS] {
+            let run = ticks(&hourly, night - 1, 6);
+            let expected: Vec<EpochMs> = (0..6).map(|h| night + h * HOUR_MS).collect();
+            assert_eq!(run, expected);
+        }
+    }
+
+    #[test]
+    fn intervals_tick_on_their_anchor_grid() {
+        let every = Recurrence::every(Duration::from_millis(300))
+            .unwrap()
+            .anchored_at(100)
+            .unwrap();
+        assert_eq!(every.next_after(0), Some(100));
+        assert_eq!(every.next_after(100), Some(400));
+        assert_eq!(every.next_after(399), Some(400));
+        assert_eq!(every.last_at_or_before(399), Some(100));
+    }
+
+    fn per_second(policy: MissedTicks) -> Recurrence {
+        Recurrence::every(Duration::from_millis(1_000))
+            .unwrap()
+            .missed_ticks(policy)
+    }
+
+    #[test]
+    fn a_late_tick_inside_the_grace_is_not_missed() {
+        let every_second = per_second(MissedTicks::Skip).misfire_grace(Duration::from_millis(300));
+        assert!(!every_second.is_missed(5_000, 5_300));
+        assert!(every_second.is_missed(5_000, 5_301));
+        // The next tick is due: missed whatever the grace.
+        let lenient = per_second(MissedTicks::Skip);
+        assert!(lenient.is_missed(5_000, 6_000));
+    }
+
+    #[test]
+    fn each_policy_places_a_late_tick_as_documented() {
+        // Ticks 5_000 .. 9_000 are due at 9_500; the grace (60 s) keeps
+        // 9_000 on time, so catch-up runs it after the two missed ones.
+        let now = 9_500;
+        assert_eq!(
+            per_second(MissedTicks::Skip).place(5_000, 2, now),
+            Placement::Run {
+                tick: 9_000,
+                missed: 6
+            }
+        );
+        assert_eq!(
+            per_second(MissedTicks::RunOnce).place(5_000, 0, now),
+            Placement::Run {
+                tick: 9_000,
+                missed: 4
+            }
+        );
+        assert_eq!(
+            per_second(MissedTicks::CatchUp { max: 2 }).place(5_000, 0, now),
+            Placement::Run {
+                tick: 7_000,
+                missed: 2
+            }
+        );
+        // Without grace, 9_000 is missed too: skip waits for 10_000.
+        let strict = |policy| per_second(policy).misfire_grace(Duration::ZERO);
+        assert_eq!(
+            strict(MissedTicks::Skip).place(5_000, 0, now),
+            Placement::Wait {
+                tick: 10_000,
+                missed: 5
+            }
+        );
+        assert_eq!(
+            strict(MissedTicks::CatchUp { max: 2 }).place(5_000, 0, now),
+            Placement::Run {
+                tick: 8_000,
+                missed: 3
+            }
+        );
+    }
+
+    #[test]
+    fn a_cron_outage_beyond_the_count_limit_still_finds_the_latest_ticks() {
+        let every_second = Recurrence::cron("* * * * * *", "UTC")
+            .unwrap()
+            .missed_ticks(MissedTicks::CatchUp { max: 2 })
+            .misfire_grace(Duration::ZERO);
+        let start = 1_000_000_000;
+        let seconds = i64::try_from(MAX_COUNTED_MISSED_TICKS).unwrap() + 50;
+        let now = start + seconds * 1_000 + 500;
+        let placed = every_second.place(start, 0, now);
+        assert_eq!(
+            placed,
+            Placement::Run {
+                tick: start + (seconds - 1) * 1_000,
+                missed: MAX_COUNTED_MISSED_TICKS - 2,
+            }
+        );
+    }
+
+    #[test]
+    fn the_stored_form_round_trips() {
+        let digest = Recurrence::cron("0 8 * * 1-5", "Europe/Paris")
+            .unwrap()
+            .missed_ticks(MissedTicks::CatchUp { max: 3 })
+            .misfire_grace(Duration::from_secs(5));
+        let stored = digest.to_stored();
+        assert_eq!(Recurrence::from_stored(&stored).unwrap(), digest);
+        assert_eq!(digest.to_string(), "cron \"0 8 * * 1-5\" in Europe/Paris");
+    }
+}
