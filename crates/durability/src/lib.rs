@@ -11,6 +11,7 @@ pub mod alarms;
 pub mod codec;
 pub mod error;
 pub mod fanout;
+pub mod kind;
 pub mod lifecycle;
 pub mod load;
 pub mod log;
@@ -28,6 +29,7 @@ pub use alarms::{
 };
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 pub use fanout::{Fanout, FanoutBuilder};
+pub use kind::ErrorKind;
 pub use load::{Load, LoadSnapshot};
 pub use log::{Log, LogBuilder, LogError};
 pub use operations::{DurableCall, OperationResult, Operations, OperationsBuilder, Registration};

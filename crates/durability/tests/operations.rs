@@ -210,14 +210,19 @@ async fn an_id_owned_by_another_operation_is_rejected_and_writes_nothing() {
             error.to_string(),
             "Durable call \"order-1\" already belongs to operation \"charge\", not \"refund\""
         );
-        // Reading under the wrong operation is rejected the same way.
+        // Reading under the wrong operation is a mismatch naming both, not
+        // a duplicate call (nothing was called twice).
+        let mismatch = ops.result::<u32>("refund", "order-1").unwrap_err();
         assert!(matches!(
-            ops.result::<u32>("refund", "order-1"),
-            Err(DurabilityError::DuplicateCall { .. })
+            &mismatch,
+            DurabilityError::OperationMismatch { id, registered, requested }
+                if (id.as_str(), registered.as_str(), requested.as_str())
+                    == ("order-1", "charge", "refund")
         ));
+        assert_eq!(mismatch.kind(), durability::ErrorKind::OperationMismatch);
         assert!(matches!(
             ops.wait::<u32>("refund", "order-1", LONG_WAIT).await,
-            Err(DurabilityError::DuplicateCall { .. })
+            Err(DurabilityError::OperationMismatch { .. })
         ));
         settle().await;
         assert_eq!(table_snapshot(&*ctx, "durability_calls"), rows);
@@ -1097,7 +1102,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::NotPositive {
-                field: "methods.op.max_attempts".into()
+                field: "method(\"op\").max_attempts".into()
             }
         );
         let error = config_error(
@@ -1109,7 +1114,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::AboveTimerLimit {
-                field: "attempt_timeout_ms".into(),
+                field: "attempt_timeout".into(),
                 value_ms: 2_147_483_648
             }
         );
@@ -1119,9 +1124,7 @@ async fn invalid_options_are_typed_config_errors() {
                 .attempt_timeout(Duration::ZERO)
                 .build(),
         );
-        assert!(
-            matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout_ms")
-        );
+        assert!(matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout"));
         let error = config_error(
             Operations::builder(&scheduler)
                 .handler("op", noop)
@@ -1156,9 +1159,9 @@ async fn invalid_options_are_typed_config_errors() {
             assert!(
                 matches!(
                     error,
-                    ConfigError::OutOfRange {
-                        min: 1_000,
-                        max: 15_000,
+                    ConfigError::DurationOutOfRange {
+                        min_ms: 1_000,
+                        max_ms: 15_000,
                         ..
                     }
                 ),

@@ -246,7 +246,7 @@ where
             .ok()
             .filter(|ms| *ms <= MAX_SAFE_INTEGER)
             .ok_or_else(|| ConfigError::OutOfRange {
-                field: "batch_delay_ms".into(),
+                field: "batch_delay".into(),
                 min: 0,
                 max: MAX_SAFE_INTEGER.unsigned_abs(),
             })?;
