@@ -116,7 +116,17 @@ impl DurabilityError {
             DurabilityError::Interrupted => ErrorKind::Interrupted,
             DurabilityError::UnknownHandler { .. } => ErrorKind::UnknownHandler,
             DurabilityError::OperationMismatch { .. } => ErrorKind::OperationMismatch,
+            DurabilityError::Recurrence(error) => error.kind(),
+            DurabilityError::NotRecurring { .. } => ErrorKind::NotFound,
         }
+    }
+}
+
+impl crate::alarms::RecurrenceError {
+    /// The kind of this error: always [`ErrorKind::InvalidInput`] (a bad
+    /// pattern, zone, option, or a schedule without a future tick).
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidInput
     }
 }
 

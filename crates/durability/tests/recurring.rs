@@ -566,6 +566,14 @@ async fn bad_recurring_input_is_a_typed_error_and_writes_nothing() {
             Err(durability::DurabilityError::UnknownHandler { .. })
         ));
         assert!(alarms.list().unwrap().is_empty());
+        // Matchable kinds: bad input, and a name without a schedule.
+        let bad = alarms
+            .schedule_recurring("known", &zero, &())
+            .await
+            .unwrap_err();
+        assert_eq!(bad.kind(), durability::ErrorKind::InvalidInput);
+        let absent = alarms.resume("known").await.unwrap_err();
+        assert_eq!(absent.kind(), durability::ErrorKind::NotFound);
     })
     .await;
 }
