@@ -609,3 +609,37 @@ async fn the_handler_receives_the_payload_and_its_tick() {
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn purge_before_removes_a_schedule_with_its_occurrence() {
+    support::on_harness(|h| async move {
+        let scheduler = Scheduler::new(h.context()).unwrap();
+        h.install(&scheduler);
+        let runs = Rc::new(Cell::new(0));
+        let counter = Rc::clone(&runs);
+        let alarms = Alarms::builder(&scheduler)
+            .handler("hourly", move |_: AlarmCall| {
+                counter.set(counter.get() + 1);
+                async { Ok(()) }
+            })
+            .build()
+            .unwrap();
+        let every_hour = Recurrence::every(Duration::from_secs(3_600)).unwrap();
+        alarms
+            .schedule_recurring("hourly", &every_hour, &())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(alarms.purge_before(scheduler.now_ms()).await.unwrap(), 1);
+        assert!(alarms.list().unwrap().is_empty());
+        let schedules = support::query_i64(
+            &*h.context(),
+            "SELECT COUNT(*) FROM durability_alarm_schedules",
+            &[],
+        );
+        assert_eq!(schedules, 0);
+        tokio::time::sleep(Duration::from_secs(3 * 3_600)).await;
+        assert_eq!(runs.get(), 0);
+    })
+    .await;
+}
