@@ -4,7 +4,7 @@
 //! Pure computation: no storage, no clock. `alarms` stores a
 //! [`Recurrence`] with its schedule row and asks it two questions: "the
 //! first tick after this time" (after each run commits) and "this stored
-//! tick was picked up late, what runs now" ([`Recurrence::place`]).
+//! tick was picked up late, what runs now" (`Recurrence::place`).
 //!
 //! # Ticks and time zones
 //!
