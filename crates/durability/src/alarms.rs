@@ -67,12 +67,13 @@ use serde::de::DeserializeOwned;
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, LibraryErrorKind, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits;
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS,
 };
 use crate::record::{AttemptRef, DurableTable, delete_attempt, update_attempt};
-use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 use recurrence::Placement;
@@ -183,6 +184,7 @@ pub struct AlarmsBuilder {
     scheduler: Scheduler,
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     hooks: Vec<LifecycleHook>,
 }
 
@@ -204,11 +206,11 @@ impl AlarmsBuilder {
         self
     }
 
-    /// How long one attempt may run. Default 5 min. A timed-out attempt is
+    /// How long one attempt may run. Default 5 min; whole milliseconds,
+    /// from 1 ms to 2^31 - 1 ms. A timed-out attempt is
     /// terminal unless the alarm's policy sets `retry_timeouts`.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -235,12 +237,19 @@ impl AlarmsBuilder {
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Alarms, DurabilityError> {
-        let policies = self.policy.validate()?;
+        let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         if self.handlers.keys().any(String::is_empty) {
             return Err(ConfigError::NotPositive {
                 field: "handler name length".into(),
             }
             .into());
+        }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
         }
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =
@@ -381,6 +390,7 @@ impl Alarms {
             scheduler: scheduler.clone(),
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             hooks: Vec::new(),
         }
     }
@@ -450,6 +460,9 @@ impl Alarms {
     /// handler receives `payload` (any JSON-serializable value; `&()` for
     /// none) with every occurrence.
     ///
+    /// The payload's own JSON may be at most
+    /// [`limits::DEFAULT_MAX_BODY_BYTES`] (1 MiB).
+    ///
     /// Registering the same recurrence and payload again changes nothing
     /// (the pending occurrence, its retries and a pause stay as they are),
     /// so an object may call this in its constructor. Anything different
@@ -475,6 +488,13 @@ impl Alarms {
         }
         recurrence.validate()?;
         let payload = crate::codec::encode(payload)?;
+        // Not configurable: a schedule's payload is configuration, not data.
+        limits::check_body(
+            "payload",
+            crate::codec::body_bytes(&payload),
+            limits::DEFAULT_MAX_BODY_BYTES,
+            "DEFAULT_MAX_BODY_BYTES",
+        )?;
         // `()` and `None` encode as JSON null: stored as no payload at all.
         let payload =
             (crate::codec::decode(&payload)?.is_some_and(|v| !v.is_null())).then_some(payload);

@@ -37,6 +37,7 @@ use crate::fanout::{
     EnqueueRejection, FANOUT_ENQUEUE_ERROR, FANOUT_SETTLEMENT_ERROR, FANOUT_TIMEOUT_ERROR,
     FanoutConfigError, FanoutError, SettlementError,
 };
+use crate::limits::LimitError;
 use crate::log::{AppendRejection, ColdError, LOG_APPEND_ERROR, LogError};
 use crate::memo::MemoError;
 use crate::migrations::MigrationError;
@@ -57,7 +58,7 @@ pub enum ErrorKind {
     InvalidInput,
     /// A value cannot be stored as JSON (NaN, a failing `Serialize`).
     NotJson,
-    /// A body is larger than the configured maximum.
+    /// A body, identifier or key is larger than its limit.
     TooLarge,
     /// An id or key already names different work (a duplicate call, a
     /// deduplication or log key conflict).
@@ -118,6 +119,19 @@ impl DurabilityError {
             DurabilityError::OperationMismatch { .. } => ErrorKind::OperationMismatch,
             DurabilityError::Recurrence(error) => error.kind(),
             DurabilityError::NotRecurring { .. } => ErrorKind::NotFound,
+            DurabilityError::Limit(error) => error.kind(),
+        }
+    }
+}
+
+impl LimitError {
+    /// The kind of this error: [`ErrorKind::TooLarge`] for an identifier or
+    /// body over its byte limit, [`ErrorKind::InvalidInput`] for an empty
+    /// identifier or too many items in one call.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            LimitError::TooLong { .. } => ErrorKind::TooLarge,
+            LimitError::Empty { .. } | LimitError::TooMany { .. } => ErrorKind::InvalidInput,
         }
     }
 }
@@ -142,7 +156,9 @@ impl CodecError {
     /// [`ErrorKind::Corrupt`] when stored text does not decode.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            CodecError::NonFinite { .. } | CodecError::NotJson { .. } => ErrorKind::NotJson,
+            CodecError::NonFinite { .. }
+            | CodecError::NotJson { .. }
+            | CodecError::TooDeep { .. } => ErrorKind::NotJson,
             CodecError::Malformed { .. }
             | CodecError::Envelope { .. }
             | CodecError::Type { .. } => ErrorKind::Corrupt,
@@ -170,6 +186,7 @@ impl<E> MemoError<E> {
             MemoError::Callback(_) => ErrorKind::Callback,
             MemoError::Codec(error) => error.kind(),
             MemoError::Storage(_) => ErrorKind::Storage,
+            MemoError::Limit(error) => error.kind(),
         }
     }
 }
@@ -212,6 +229,8 @@ impl EnqueueRejection {
             EnqueueRejection::BodyTooLarge { .. } => ErrorKind::TooLarge,
             EnqueueRejection::DeduplicationConflict { .. } => ErrorKind::Conflict,
             EnqueueRejection::UnknownParked { .. } => ErrorKind::NotFound,
+            EnqueueRejection::Limit { limit, .. } => limit.kind(),
+            EnqueueRejection::TooManyMessages(limit) => limit.kind(),
         }
     }
 }
@@ -257,6 +276,7 @@ impl AppendRejection {
             AppendRejection::KeyConflict { .. } | AppendRejection::KeyRepeated { .. } => {
                 ErrorKind::Conflict
             }
+            AppendRejection::Limit { limit, .. } => limit.kind(),
         }
     }
 }

@@ -13,6 +13,7 @@ pub mod error;
 pub mod fanout;
 pub mod kind;
 pub mod lifecycle;
+pub mod limits;
 pub mod load;
 pub mod log;
 pub mod memo;

@@ -574,6 +574,13 @@ async fn bad_recurring_input_is_a_typed_error_and_writes_nothing() {
         assert_eq!(bad.kind(), durability::ErrorKind::InvalidInput);
         let absent = alarms.resume("known").await.unwrap_err();
         assert_eq!(absent.kind(), durability::ErrorKind::NotFound);
+        let huge = "x".repeat(2 << 20);
+        let too_large = alarms
+            .schedule_recurring("known", &hourly, &huge)
+            .await
+            .unwrap_err();
+        assert_eq!(too_large.kind(), durability::ErrorKind::TooLarge);
+        assert!(alarms.list().unwrap().is_empty());
     })
     .await;
 }
