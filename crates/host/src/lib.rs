@@ -12,7 +12,8 @@
 //! Module map: `host` (handles: [`Host`], [`Namespace`], [`Stub`]),
 //! `executor` (where objects live, their alarms and eviction), `residency`
 //! (the host-wide cap on live objects and its LRU), `storage` (one
-//! object's database and alarm), `index` (the host's alarm index), `id`
+//! object's database and alarm), `flush` (group commit and the output
+//! gates), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
 //! listing of a data directory).
 //!
@@ -24,6 +25,7 @@ mod clock;
 mod context;
 mod error;
 mod executor;
+mod flush;
 mod host;
 mod id;
 mod index;
@@ -38,6 +40,7 @@ pub use context::ObjectContext;
 pub use durability_platform::{AlarmInfo, ObjectId};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
+pub use flush::FlushMethod;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
     MAX_THREADS, Namespace, Stub, Synchronous,
