@@ -274,7 +274,11 @@ impl GroupCommit {
 }
 
 /// Makes `files` durable with `method`.
-fn sync(method: FlushMethod, data_dir: &Path, files: &HashMap<Arc<Path>, bool>) -> std::io::Result<()> {
+fn sync(
+    method: FlushMethod,
+    data_dir: &Path,
+    files: &HashMap<Arc<Path>, bool>,
+) -> std::io::Result<()> {
     match method {
         FlushMethod::Syncfs => syncfs(data_dir),
         FlushMethod::WalFiles => {

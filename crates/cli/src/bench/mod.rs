@@ -14,6 +14,7 @@ mod fanout_backlog;
 mod host_calls;
 mod latency;
 mod log;
+mod modes;
 mod operations;
 mod report;
 mod routing;
