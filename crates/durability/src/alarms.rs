@@ -375,6 +375,7 @@ impl Inner {
                 attempt_timeout_ms: policy.attempt_timeout_ms,
                 retry_timeouts: policy.retry_timeouts,
             }),
+            claimed: None,
         };
         self.engine.start_execution(spec, None).await
     }

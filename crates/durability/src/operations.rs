@@ -35,7 +35,7 @@ use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
 };
-use crate::record::{AttemptRef, DurableTable};
+use crate::record::{AttemptRef, DurableTable, claim_attempt};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
@@ -357,12 +357,20 @@ impl Operations {
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();
+        // Eager start only when a permit is free right now; otherwise the
+        // timer armed by the commit queues for one. With a permit, the
+        // first attempt is claimed in the registration's own transaction:
+        // one commit instead of two, and the attempt still counts before
+        // the handler runs.
+        let permit = engine.try_acquire_permit();
+        let eager = permit.is_some();
+        let max_attempts = inner.policies.resolve(operation).max_attempts;
         let insert = "INSERT INTO durability_calls \
              (id, operation, payload, status, result, attempt, next_attempt_at, last_error, \
               last_error_name, completed_at, generation_id, created_at) \
              VALUES (?, ?, ?, 'pending', NULL, 0, ?, NULL, NULL, NULL, ?, ?) \
              ON CONFLICT(id) DO NOTHING";
-        let inserted = engine
+        let registered = engine
             .transaction(|sql| {
                 let inserted = sql.execute(
                     insert,
@@ -385,12 +393,20 @@ impl Operations {
                         requested: operation.to_owned(),
                     });
                 }
-                Ok(inserted)
+                if !inserted {
+                    return Ok(None);
+                }
+                let claimed = if eager {
+                    claim_attempt(sql, CALLS, id, generation.as_str(), max_attempts, None)?
+                } else {
+                    None
+                };
+                Ok(Some(claimed))
             })
             .await?;
-        if !inserted {
+        let Some(claimed) = registered else {
             return Ok(Registration::Existing);
-        }
+        };
         inner.emitter.emit(&LifecycleEvent::Registered {
             entity: Entity::Operation {
                 operation: operation.to_owned(),
@@ -399,14 +415,12 @@ impl Operations {
             },
             timestamp: now,
         });
-        // Eager start only when a permit is free right now; otherwise the
-        // timer armed by the commit queues for one.
-        if let Some(permit) = engine.try_acquire_permit() {
+        if let (Some(permit), Some(attempt)) = (permit, claimed) {
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
             let id = id.to_owned();
             engine.ctx.wait_until(Box::pin(async move {
-                if let Err(error) = run.execute(&id, Some(permit)).await {
+                if let Err(error) = run.execute(&id, Some((permit, attempt))).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -570,13 +584,19 @@ fn result_of<R: DeserializeOwned>(
 
 impl Inner {
     /// Runs the pending generation of `id` unless this instance already
-    /// runs it. Ownership of `eager_permit` passes to the execution; when
-    /// none starts, the permit is released on return.
+    /// runs it. `eager` is an eager start's permit and the attempt its
+    /// registration claimed: ownership of both passes to the execution;
+    /// when none starts, the permit is released on return (the attempt
+    /// stays counted, as after a crash before its handler ran).
     async fn execute(
         self: &Rc<Self>,
         id: &str,
-        eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        eager: Option<(tokio::sync::OwnedSemaphorePermit, u32)>,
     ) -> Result<(), DurabilityError> {
+        let (eager_permit, claimed) = match eager {
+            Some((permit, attempt)) => (Some(permit), Some(attempt)),
+            None => (None, None),
+        };
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
         };
@@ -623,6 +643,7 @@ impl Inner {
                 max_attempts: policy.max_attempts,
                 attempt_timeout_ms: policy.attempt_timeout_ms,
             }),
+            claimed,
         };
         self.engine.start_execution(spec, eager_permit).await
     }

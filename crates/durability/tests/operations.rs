@@ -354,6 +354,61 @@ async fn eager_start_only_when_a_permit_is_free() {
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_eager_start_claims_its_first_attempt_in_the_registrations_commit() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = Scheduler::builder(h.context())
+            .alarm_concurrency(1)
+            .build()
+            .unwrap();
+        h.install(&scheduler);
+        let gate = Gate::default();
+        let held = gate.clone();
+        let attempts = Rc::new(RefCell::new(Vec::<u32>::new()));
+        let seen = Rc::clone(&attempts);
+        let ops = Operations::builder(&scheduler)
+            .handler("job", move |call: DurableCall<()>| {
+                seen.borrow_mut().push(call.attempt);
+                let held = held.clone();
+                async move {
+                    held.wait().await;
+                    Ok::<_, HandlerError>(())
+                }
+            })
+            .build()
+            .unwrap();
+        let attempt_of = |id: &str| {
+            query_i64(
+                &*ctx,
+                "SELECT attempt FROM durability_calls WHERE id = ?",
+                &params![id],
+            )
+        };
+        // A free permit: the attempt is counted by the registration itself,
+        // before the handler was even scheduled (no await in between).
+        ops.start("job", "eager", &()).await.unwrap();
+        assert_eq!(attempt_of("eager"), 1);
+        assert!(attempts.borrow().is_empty());
+        settle().await;
+        // The handler runs that attempt; it claims no second one.
+        assert_eq!(*attempts.borrow(), [1]);
+        assert_eq!(attempt_of("eager"), 1);
+        // No permit free: registered unclaimed, claimed when a permit frees.
+        ops.start("job", "queued", &()).await.unwrap();
+        assert_eq!(attempt_of("queued"), 0);
+        gate.open();
+        let done = ops.wait::<()>("job", "queued", LONG_WAIT).await.unwrap();
+        assert_eq!(done, OperationResult::Completed { result: () });
+        assert_eq!(*attempts.borrow(), [1, 1]);
+        assert_eq!(attempt_of("queued"), 1);
+        // A repeated registration claims nothing.
+        ops.start("job", "eager", &()).await.unwrap();
+        assert_eq!(attempt_of("eager"), 1);
+    })
+    .await;
+}
+
 // §7.9 (6)
 #[tokio::test(start_paused = true)]
 async fn non_serializable_result_fails_after_exactly_one_attempt() {

@@ -106,6 +106,10 @@ pub(crate) struct ExecutionSpec {
     /// out of telemetry).
     pub include_result: bool,
     pub kind: Rc<dyn AttemptKind>,
+    /// An attempt already claimed (and committed) by the caller, in the
+    /// same transaction that registered the record: an eager start saves
+    /// the claim's own commit. `None`: the execution claims one.
+    pub claimed: Option<u32>,
 }
 
 impl ExecutionSpec {
@@ -219,14 +223,17 @@ impl Engine {
     ) -> (Result<(), DurabilityError>, Option<oneshot::Receiver<()>>) {
         // One statement, no alarm change: next_attempt_at stays in the past,
         // so the physical fallback stays armed while the handler runs.
-        let claimed = claim_attempt(
-            self.sql(),
-            spec.table,
-            &spec.key,
-            &spec.generation,
-            spec.policy.max_attempts,
-            None,
-        );
+        let claimed = match spec.claimed {
+            Some(attempt) => Ok(Some(attempt)),
+            None => claim_attempt(
+                self.sql(),
+                spec.table,
+                &spec.key,
+                &spec.generation,
+                spec.policy.max_attempts,
+                None,
+            ),
+        };
         let attempt = match claimed {
             Err(error) => return (Err(error.into()), None),
             Ok(None) => return (self.fail_exhausted(spec).await, None),
