@@ -376,6 +376,7 @@ impl Inner {
                 retry_timeouts: policy.retry_timeouts,
             }),
             claimed: None,
+            successor: None,
         };
         self.engine.start_execution(spec, None).await
     }

@@ -19,7 +19,8 @@
 //!   and the registration of a new execution run with no await between them,
 //!   so two callers on the object's one thread cannot both miss the map.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
@@ -37,7 +38,9 @@ use crate::migrations::{
 };
 use crate::record::{AttemptRef, DurableTable, claim_attempt};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
-use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
+use crate::scheduler::attempt::{
+    ActiveMap, AttemptKind, Claimed, ExecutionSpec, Output, Successor,
+};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 
 /// The record table of operations.
@@ -411,7 +414,7 @@ impl Operations {
             entity: Entity::Operation {
                 operation: operation.to_owned(),
                 id: id.to_owned(),
-                generation,
+                generation: generation.clone(),
             },
             timestamp: now,
         });
@@ -419,8 +422,13 @@ impl Operations {
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
             let id = id.to_owned();
+            let claimed = Claimed {
+                key: id.clone(),
+                generation,
+                attempt,
+            };
             engine.ctx.wait_until(Box::pin(async move {
-                if let Err(error) = run.execute(&id, Some((permit, attempt))).await {
+                if let Err(error) = run.execute(&id, Some(permit), Some(claimed), None).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -584,25 +592,28 @@ fn result_of<R: DeserializeOwned>(
 
 impl Inner {
     /// Runs the pending generation of `id` unless this instance already
-    /// runs it. `eager` is an eager start's permit and the attempt its
-    /// registration claimed: ownership of both passes to the execution;
-    /// when none starts, the permit is released on return (the attempt
-    /// stays counted, as after a crash before its handler ran).
+    /// runs it. `eager_permit` (an eager start's) and `claimed` (an attempt
+    /// already claimed for it) pass to the execution; when none starts, the
+    /// permit is released on return (a claimed attempt stays counted, as
+    /// after a crash before its handler ran). `successor` takes the next
+    /// record of a due pass when this one completes.
     async fn execute(
         self: &Rc<Self>,
         id: &str,
-        eager: Option<(tokio::sync::OwnedSemaphorePermit, u32)>,
+        eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        claimed: Option<Claimed>,
+        successor: Option<Rc<dyn Successor>>,
     ) -> Result<(), DurabilityError> {
-        let (eager_permit, claimed) = match eager {
-            Some((permit, attempt)) => (Some(permit), Some(attempt)),
-            None => (None, None),
-        };
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
         };
         if row.status != "pending" {
             return Ok(());
         }
+        // A claim made for a generation that was replaced since is void.
+        let claimed = claimed
+            .filter(|c| c.generation == row.generation && c.attempt == row.attempt)
+            .map(|c| c.attempt);
         let running = self
             .active
             .borrow()
@@ -644,8 +655,100 @@ impl Inner {
                 attempt_timeout_ms: policy.attempt_timeout_ms,
             }),
             claimed,
+            successor,
         };
         self.engine.start_execution(spec, eager_permit).await
+    }
+}
+
+impl Inner {
+    /// Runs the due `ids` on at most `alarm_concurrency` lanes, each taking
+    /// the next id in order when its previous one finished. A lane whose
+    /// attempt completes claims the next id in the completion's own
+    /// transaction (one commit instead of two) and runs it next.
+    async fn run_lanes(
+        self: &Rc<Self>,
+        ids: Vec<String>,
+        now: EpochMs,
+    ) -> Vec<(String, Result<(), DurabilityError>)> {
+        let queue = Rc::new(RefCell::new(VecDeque::from(ids)));
+        let lanes = (0..self.engine.alarm_concurrency.max(1)).map(|_| {
+            let queue = Rc::clone(&queue);
+            async move {
+                let mut results = Vec::new();
+                let mut next = queue.borrow_mut().pop_front().map(|id| (id, None));
+                while let Some((id, claimed)) = next.take() {
+                    let handoff = Rc::new(Handoff {
+                        inner: Rc::downgrade(self),
+                        queue: Rc::clone(&queue),
+                        due_by: now,
+                        taken: RefCell::new(None),
+                    });
+                    let successor: Rc<dyn Successor> = Rc::clone(&handoff) as Rc<dyn Successor>;
+                    let outcome = self.execute(&id, None, claimed, Some(successor)).await;
+                    results.push((id, outcome));
+                    next = match handoff.taken.borrow_mut().take() {
+                        Some(claimed) => Some((claimed.key.clone(), Some(claimed))),
+                        None => queue.borrow_mut().pop_front().map(|id| (id, None)),
+                    };
+                }
+                results
+            }
+        });
+        futures::future::join_all(lanes)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+}
+
+/// The hand-off of one lane of a due pass: the next id of the pass,
+/// claimed by the transaction that completes the lane's current attempt.
+struct Handoff {
+    inner: Weak<Inner>,
+    queue: Rc<RefCell<VecDeque<String>>>,
+    /// The pass's time: only records due by then are taken.
+    due_by: EpochMs,
+    taken: RefCell<Option<Claimed>>,
+}
+
+impl Successor for Handoff {
+    fn claim(&self, sql: &dyn Sql, now: EpochMs) -> Result<Option<Claimed>, StorageError> {
+        let Some(inner) = self.inner.upgrade() else {
+            return Ok(None);
+        };
+        let Some(id) = self.queue.borrow().front().cloned() else {
+            return Ok(None);
+        };
+        // Running in this instance already: the lane that takes it waits
+        // for it as usual.
+        if inner.active.borrow().contains_key(&id) {
+            return Ok(None);
+        }
+        let row = match CallRow::read(sql, &id) {
+            Ok(Some(row)) => row,
+            // Gone, or not readable: the lane's own execute says why.
+            Ok(None) | Err(_) => return Ok(None),
+        };
+        if row.status != "pending" || row.next_attempt_at > self.due_by.max(now) {
+            return Ok(None);
+        }
+        let max_attempts = inner.policies.resolve(&row.operation).max_attempts;
+        let attempt = claim_attempt(sql, CALLS, &id, &row.generation, max_attempts, None)?;
+        Ok(attempt.map(|attempt| Claimed {
+            key: id,
+            generation: row.generation,
+            attempt,
+        }))
+    }
+
+    fn committed(&self, claimed: Claimed) {
+        let mut queue = self.queue.borrow_mut();
+        if queue.front() == Some(&claimed.key) {
+            queue.pop_front();
+            *self.taken.borrow_mut() = Some(claimed);
+        }
     }
 }
 
@@ -670,14 +773,7 @@ impl Participant for Inner {
             for row in &rows {
                 ids.push(row.get::<String>(0)?);
             }
-            let this = &self;
-            let results = self
-                .engine
-                .run_concurrent(ids, |id| async move {
-                    let outcome = this.execute(&id, None).await;
-                    (id, outcome)
-                })
-                .await;
+            let results = self.run_lanes(ids, now).await;
             // One failing operation must not hold back the others: every
             // item ran. Its record stays pending and due, though, so the
             // failure must fail the run: a successful run would reconcile

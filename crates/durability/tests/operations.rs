@@ -409,6 +409,74 @@ async fn an_eager_start_claims_its_first_attempt_in_the_registrations_commit() {
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_completion_in_a_due_pass_claims_the_next_due_record_in_its_own_commit() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = Scheduler::builder(h.context())
+            .alarm_concurrency(1)
+            .build()
+            .unwrap();
+        h.install(&scheduler);
+        let gate = Gate::default();
+        let held = gate.clone();
+        // What the storage held right after each completion committed.
+        let seen = Rc::new(RefCell::new(Vec::<(String, i64)>::new()));
+        let (log, reader) = (Rc::clone(&seen), Rc::clone(&ctx));
+        let hook: durability::lifecycle::LifecycleHook = Rc::new(move |event: &LifecycleEvent| {
+            if let LifecycleEvent::AttemptSettled {
+                entity: durability::lifecycle::Entity::Operation { id, .. },
+                outcome: Outcome::Completed { .. },
+                ..
+            } = event
+            {
+                let claimed_after = query_i64(
+                    &*reader,
+                    "SELECT COUNT(*) FROM durability_calls WHERE status = 'pending' AND attempt = 1",
+                    &[],
+                );
+                log.borrow_mut().push((id.clone(), claimed_after));
+            }
+            None
+        });
+        let ops = Operations::builder(&scheduler)
+            .handler("job", move |call: DurableCall<()>| {
+                let held = held.clone();
+                async move {
+                    if call.id == "first" {
+                        held.wait().await;
+                    }
+                    Ok::<_, HandlerError>(())
+                }
+            })
+            .on_lifecycle_event(hook)
+            .build()
+            .unwrap();
+        // "first" takes the only permit; the others wait for a due pass.
+        for id in ["first", "b", "c", "d"] {
+            ops.start("job", id, &()).await.unwrap();
+        }
+        gate.open();
+        for id in ["b", "c", "d"] {
+            let done = ops.wait::<()>("job", id, LONG_WAIT).await.unwrap();
+            assert_eq!(done, OperationResult::Completed { result: () });
+        }
+        let seen = seen.borrow().clone();
+        // b's completion claimed c, c's claimed d, in the same commit: the
+        // next record's attempt was counted when the hook ran.
+        let after = |id: &str| seen.iter().find(|(done, _)| done == id).map(|(_, n)| *n);
+        assert_eq!(after("b"), Some(1));
+        assert_eq!(after("c"), Some(1));
+        assert_eq!(after("d"), Some(0));
+        // No attempt was spent twice.
+        assert_eq!(
+            query_i64(&*ctx, "SELECT MAX(attempt) FROM durability_calls", &[]),
+            1
+        );
+    })
+    .await;
+}
+
 // §7.9 (6)
 #[tokio::test(start_paused = true)]
 async fn non_serializable_result_fails_after_exactly_one_attempt() {
