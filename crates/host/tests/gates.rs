@@ -375,3 +375,30 @@ async fn child_writes_on_four_objects_until_killed() {
     }
     while writers.join_next().await.is_some() {}
 }
+
+#[tokio::test]
+async fn full_and_normal_stay_available_and_keep_what_they_committed() {
+    for mode in [Synchronous::Full, Synchronous::Normal] {
+        let dir = tempfile::tempdir().unwrap();
+        let host = Host::builder(dir.path())
+            .threads(1)
+            .synchronous(mode)
+            .build()
+            .unwrap();
+        let stub = notes(&host).stub("plain").unwrap();
+        stub.call(|o: Rc<Notes>| async move { o.add("kept") })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+        let again = Host::builder(dir.path()).threads(1).build().unwrap();
+        let texts = notes(&again)
+            .stub("plain")
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
+            .await
+            .unwrap();
+        assert_eq!(texts, ["kept"], "{mode:?}");
+        again.shutdown().await;
+    }
+}
