@@ -20,7 +20,7 @@
 //!   so two callers on the object's one thread cannot both miss the map.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
@@ -218,6 +218,7 @@ impl OperationsBuilder {
             include_result: self.include_result,
             emitter,
             active: ActiveMap::default(),
+            reserved: RefCell::new(HashSet::new()),
         });
         engine.register(&inner)?;
         Ok(Operations { inner })
@@ -274,6 +275,11 @@ struct Inner {
     include_result: bool,
     emitter: Emitter,
     active: ActiveMap,
+    /// Ids whose attempt was claimed ahead of their execution (an eager
+    /// start, a hand-off) and whose claimer has not started it yet. Any
+    /// other execution leaves them alone: claiming again would spend an
+    /// attempt for nothing, and enough of those fail the operation.
+    reserved: RefCell<HashSet<String>>,
 }
 
 /// The columns every read of one call row selects, in this order.
@@ -419,6 +425,7 @@ impl Operations {
             timestamp: now,
         });
         if let (Some(permit), Some(attempt)) = (permit, claimed) {
+            inner.reserved.borrow_mut().insert(id.to_owned());
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
             let id = id.to_owned();
@@ -604,6 +611,13 @@ impl Inner {
         claimed: Option<Claimed>,
         successor: Option<Rc<dyn Successor>>,
     ) -> Result<(), DurabilityError> {
+        if claimed.is_some() {
+            // The claimer starts it now (no await until it is active).
+            self.reserved.borrow_mut().remove(id);
+        } else if self.reserved.borrow().contains(id) {
+            // Claimed for another execution, which is about to start it.
+            return Ok(());
+        }
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
         };
@@ -721,9 +735,9 @@ impl Successor for Handoff {
         let Some(id) = self.queue.borrow().front().cloned() else {
             return Ok(None);
         };
-        // Running in this instance already: the lane that takes it waits
-        // for it as usual.
-        if inner.active.borrow().contains_key(&id) {
+        // Running or claimed in this instance already: the lane that takes
+        // it waits for it as usual.
+        if inner.active.borrow().contains_key(&id) || inner.reserved.borrow().contains(&id) {
             return Ok(None);
         }
         let row = match CallRow::read(sql, &id) {
@@ -747,6 +761,9 @@ impl Successor for Handoff {
         let mut queue = self.queue.borrow_mut();
         if queue.front() == Some(&claimed.key) {
             queue.pop_front();
+            if let Some(inner) = self.inner.upgrade() {
+                inner.reserved.borrow_mut().insert(claimed.key.clone());
+            }
             *self.taken.borrow_mut() = Some(claimed);
         }
     }
