@@ -18,6 +18,16 @@
 //! - Lookups of one id need no chaining: the row read, the active-map check
 //!   and the registration of a new execution run with no await between them,
 //!   so two callers on the object's one thread cannot both miss the map.
+//! - Fewer commits per operation: an eager start claims its first attempt
+//!   in the registration's own transaction, and in a due pass the
+//!   completion of one attempt claims the next id of its lane in the same
+//!   transaction (a no-op operation then costs two commits, not three).
+//!   Failures and timeouts do not hand off: their settlement may await the
+//!   storage, and a claim must be handed over with no await between its
+//!   commit and its claimer. A claimed id is reserved in memory until its
+//!   claimer starts it, so no other pass spends a second attempt on it;
+//!   a claim the process never ran (a crash, an eviction) counts as an
+//!   attempt, like a crash during the handler.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet, VecDeque};

@@ -9,6 +9,11 @@
 //! implementation of [`durability_platform::Context`]; this crate knows
 //! nothing of the capabilities built on that contract.
 //!
+//! Durability: by default commits do not wait for a sync of their own; a
+//! host-wide flusher syncs them in batches, and a call's reply is released
+//! only once the commits before it are on disk (output gates, see
+//! [`Synchronous`] for the modes and what each promises).
+//!
 //! Module map: `host` (handles: [`Host`], [`Namespace`], [`Stub`]),
 //! `executor` (where objects live, their alarms and eviction), `residency`
 //! (the host-wide cap on live objects and its LRU), `storage` (one
