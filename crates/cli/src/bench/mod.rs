@@ -65,7 +65,8 @@ pub struct BenchArgs {
     #[arg(value_parser = PossibleValuesParser::new(SCENARIOS.iter().map(Scenario::possible_value)))]
     scenario: String,
     /// Also write the results to FILE as one JSON object (fields `scenario`,
-    /// `ops_per_sec`, `p50_us`, `p99_us`, then every measurement).
+    /// `ops_per_sec`, `p50_us`, `p99_us`, `floor_ratio` of the headline,
+    /// then every measurement).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Shrink every size so that the run takes seconds (smoke runs, CI).
