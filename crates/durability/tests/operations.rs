@@ -482,6 +482,39 @@ async fn a_completion_in_a_due_pass_claims_the_next_due_record_in_its_own_commit
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_due_pass_never_claims_again_an_attempt_claimed_ahead_of_its_execution() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("job", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        // The due pass is queued first; the registration then claims the
+        // first attempt for its eager start, which runs after the pass has
+        // read the row: the pass must leave it to the eager start.
+        let (pass, registered) =
+            futures::join!(scheduler.alarm(None), ops.start("job", "raced", &()));
+        pass.unwrap();
+        registered.unwrap();
+        let done = ops.wait::<()>("job", "raced", LONG_WAIT).await.unwrap();
+        assert_eq!(done, OperationResult::Completed { result: () });
+        assert_eq!(
+            query_i64(
+                &*ctx,
+                "SELECT attempt FROM durability_calls WHERE id = ?",
+                &params!["raced"]
+            ),
+            1,
+            "an attempt was spent twice"
+        );
+    })
+    .await;
+}
+
 // §7.9 (6)
 #[tokio::test(start_paused = true)]
 async fn non_serializable_result_fails_after_exactly_one_attempt() {
