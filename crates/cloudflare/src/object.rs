@@ -138,17 +138,17 @@ pub fn alarm_info(info: &JsValue) -> AlarmInfo {
 macro_rules! durable_object {
     ($class:ident, $object:ty) => {
         #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(
-                            wasm_bindgen = $crate::__private::wasm_bindgen
-                        )]
+                                    wasm_bindgen = $crate::__private::wasm_bindgen
+                                )]
         pub struct $class {
             host: $crate::ObjectHost<$object>,
         }
 
         #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(
-                            wasm_bindgen = $crate::__private::wasm_bindgen,
-                            wasm_bindgen_futures = $crate::__private::wasm_bindgen_futures,
-                            js_sys = $crate::__private::js_sys
-                        )]
+                                    wasm_bindgen = $crate::__private::wasm_bindgen,
+                                    wasm_bindgen_futures = $crate::__private::wasm_bindgen_futures,
+                                    js_sys = $crate::__private::js_sys
+                                )]
         impl $class {
             #[wasm_bindgen(constructor)]
             pub fn new(
