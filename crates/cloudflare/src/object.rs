@@ -137,59 +137,58 @@ pub fn alarm_info(info: &JsValue) -> AlarmInfo {
 #[macro_export]
 macro_rules! durable_object {
     ($class:ident, $object:ty) => {
-        #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(
-                                    wasm_bindgen = $crate::__private::wasm_bindgen
-                                )]
-        pub struct $class {
-            host: $crate::ObjectHost<$object>,
-        }
+        // Inside a block, with `wasm_bindgen` in scope: the code
+        // wasm-bindgen's macros generate names it by that path.
+        const _: () = {
+            use $crate::__private::wasm_bindgen;
+            use $crate::__private::wasm_bindgen::prelude::wasm_bindgen;
 
-        #[$crate::__private::wasm_bindgen::prelude::wasm_bindgen(
-                                    wasm_bindgen = $crate::__private::wasm_bindgen,
-                                    wasm_bindgen_futures = $crate::__private::wasm_bindgen_futures,
-                                    js_sys = $crate::__private::js_sys
-                                )]
-        impl $class {
-            #[wasm_bindgen(constructor)]
-            pub fn new(
-                state: $crate::__private::worker_sys::DurableObjectState,
-                env: $crate::__private::Env,
-            ) -> Self {
-                Self {
-                    host: $crate::ObjectHost::start(state, env),
+            #[wasm_bindgen(wasm_bindgen = $crate::__private::wasm_bindgen)]
+            pub struct $class {
+                host: $crate::ObjectHost<$object>,
+            }
+
+            #[wasm_bindgen(
+                                wasm_bindgen = $crate::__private::wasm_bindgen,
+                                wasm_bindgen_futures = $crate::__private::wasm_bindgen_futures,
+                                js_sys = $crate::__private::js_sys
+                            )]
+            impl $class {
+                #[wasm_bindgen(constructor)]
+                pub fn new(
+                    state: $crate::__private::worker_sys::DurableObjectState,
+                    env: $crate::__private::Env,
+                ) -> Self {
+                    Self {
+                        host: $crate::ObjectHost::start(state, env),
+                    }
+                }
+
+                #[wasm_bindgen(js_name = fetch)]
+                pub async fn fetch(
+                    &self,
+                    req: $crate::__private::web_sys::Request,
+                ) -> ::std::result::Result<wasm_bindgen::JsValue, wasm_bindgen::JsValue> {
+                    self.host
+                        .fetch(req.into())
+                        .await
+                        .map($crate::__private::web_sys::Response::from)
+                        .map(wasm_bindgen::JsValue::from)
+                        .map_err(wasm_bindgen::JsValue::from)
+                }
+
+                #[wasm_bindgen(js_name = alarm)]
+                pub async fn alarm(
+                    &self,
+                    info: wasm_bindgen::JsValue,
+                ) -> ::std::result::Result<wasm_bindgen::JsValue, wasm_bindgen::JsValue> {
+                    self.host
+                        .alarm(info)
+                        .await
+                        .map(|()| wasm_bindgen::JsValue::UNDEFINED)
+                        .map_err(wasm_bindgen::JsValue::from)
                 }
             }
-
-            #[wasm_bindgen(js_name = fetch)]
-            pub async fn fetch(
-                &self,
-                req: $crate::__private::web_sys::Request,
-            ) -> ::std::result::Result<
-                $crate::__private::wasm_bindgen::JsValue,
-                $crate::__private::wasm_bindgen::JsValue,
-            > {
-                self.host
-                    .fetch(req.into())
-                    .await
-                    .map($crate::__private::web_sys::Response::from)
-                    .map($crate::__private::wasm_bindgen::JsValue::from)
-                    .map_err($crate::__private::wasm_bindgen::JsValue::from)
-            }
-
-            #[wasm_bindgen(js_name = alarm)]
-            pub async fn alarm(
-                &self,
-                info: $crate::__private::wasm_bindgen::JsValue,
-            ) -> ::std::result::Result<
-                $crate::__private::wasm_bindgen::JsValue,
-                $crate::__private::wasm_bindgen::JsValue,
-            > {
-                self.host
-                    .alarm(info)
-                    .await
-                    .map(|()| $crate::__private::wasm_bindgen::JsValue::UNDEFINED)
-                    .map_err($crate::__private::wasm_bindgen::JsValue::from)
-            }
-        }
+        };
     };
 }

@@ -25,7 +25,9 @@ impl DurableObject for Conformance {
     }
 
     async fn fetch(&self, mut req: Request) -> worker::Result<Response> {
-        let command: Command = match req.json().await {
+        // Parsed in Rust: JSON.parse would round integers beyond 2^53.
+        let text = req.text().await?;
+        let command: Command = match serde_json::from_str(&text) {
             Ok(command) => command,
             Err(error) => {
                 return Response::from_json(&json!({ "error": format!("bad command: {error}") }))

@@ -43,8 +43,9 @@ impl Workerd {
         let data = scratch.path().join("do-storage");
         fs::create_dir_all(&data).map_err(|e| e.to_string())?;
         let port = free_port()?;
-        let config_path = scratch.path().join("worker.capnp");
-        fs::write(&config_path, config(&build, &data, port, namespace))
+        let config_path = build.join("workerd.capnp");
+        let snippets = snippet_modules(&build)?;
+        fs::write(&config_path, config(&data, port, namespace, &snippets))
             .map_err(|e| e.to_string())?;
         let workerd = Workerd {
             binary: binary.to_path_buf(),
@@ -94,7 +95,10 @@ impl Workerd {
             if let Some(child) = self.child.borrow_mut().as_mut()
                 && let Ok(Some(status)) = child.try_wait()
             {
-                return Err(format!("workerd exited at start: {status}"));
+                return Err(format!(
+                    "workerd exited at start: {status}\n{}",
+                    self.log_tail(40).join("\n")
+                ));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -155,10 +159,15 @@ impl Drop for Workerd {
     }
 }
 
-/// The capnp config: the test worker, its Durable Object namespace with
-/// SQL, and local disk storage in `data`.
-fn config(build: &Path, data: &Path, port: u16, namespace: &Namespace) -> String {
-    let embed = |file: &str| format!("{:?}", build.join(file).display().to_string());
+/// The capnp config: the worker, its Durable Object namespace with SQL,
+/// and local disk storage in `data`. Embeds resolve relative to the config
+/// file, which is written into the build directory beside them.
+fn config(data: &Path, port: u16, namespace: &Namespace, snippets: &[String]) -> String {
+    let embed = |file: &str| format!("{file:?}");
+    let snippets: String = snippets
+        .iter()
+        .map(|name| format!("    (name = {name:?}, esModule = embed {}),\n", embed(name)))
+        .collect();
     format!(
         r#"using Workerd = import "/workerd/workerd.capnp";
 
@@ -175,7 +184,7 @@ const worker :Workerd.Worker = (
     (name = "worker.mjs", esModule = embed {entry}),
     (name = "index.js", esModule = embed {glue}),
     (name = "index_bg.wasm", wasm = embed {wasm}),
-  ],
+{snippets}  ],
   compatibilityDate = "2025-09-01",
   durableObjectNamespaces = [
     (className = "{class}", uniqueKey = "durability-{class}", enableSql = true),
@@ -191,6 +200,30 @@ const worker :Workerd.Worker = (
         class = namespace.class,
         binding = namespace.binding,
     )
+}
+
+/// The JavaScript snippets wasm-bindgen wrote under `build/snippets/`
+/// (inline JS of the crates), as module names relative to `build`.
+fn snippet_modules(build: &Path) -> Result<Vec<String>, String> {
+    let mut modules = Vec::new();
+    let mut pending = vec![build.join("snippets")];
+    while let Some(dir) = pending.pop() {
+        let entries = match fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{}: {e}", dir.display())),
+        };
+        for entry in entries {
+            let path = entry.map_err(|e| e.to_string())?.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if let Ok(relative) = path.strip_prefix(build) {
+                modules.push(relative.display().to_string());
+            }
+        }
+    }
+    modules.sort();
+    Ok(modules)
 }
 
 fn free_port() -> Result<u16, String> {
