@@ -299,7 +299,7 @@ fn inbox(ctx: Rc<dyn Context>) -> Target<Mail> {
                 }
                 ctx.storage().execute(
                     "INSERT OR IGNORE INTO mailbox_inbox (message_id, recipient, subject) VALUES (?, ?, ?)",
-                    &params![message.message_id.as_str(), message.body.to.as_str(), message.body.subject.as_str()],
+                    &params![message.id.as_str(), message.body.to.as_str(), message.body.subject.as_str()],
                 )?;
             }
             Ok::<_, HandlerError>(())
