@@ -42,9 +42,12 @@ pub trait DurableObject: Sized + 'static {
     fn alarm(&self, info: AlarmInfo) -> impl Future<Output = worker::Result<()>>;
 }
 
+/// An object built over its context, or why building it failed.
+type Started<T> = Result<(Rc<CloudflareContext>, Rc<T>), String>;
+
 /// What the exported class holds: the object once built, or why it failed.
 pub struct ObjectHost<T> {
-    slot: Rc<RefCell<Option<Result<(Rc<CloudflareContext>, Rc<T>), String>>>>,
+    slot: Rc<RefCell<Option<Started<T>>>>,
 }
 
 impl<T: DurableObject> ObjectHost<T> {
