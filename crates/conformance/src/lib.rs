@@ -17,6 +17,9 @@ pub mod scenarios;
 use std::rc::Rc;
 use std::time::Duration;
 
+use durability::fanout::{
+    EnqueueOptions, EnqueueResult, Fanout, FanoutInput, FanoutMessage, Target,
+};
 use durability::log::{AppendRecord, Read};
 use durability::retry::Delay;
 use durability::{
@@ -70,8 +73,26 @@ pub enum Command {
     IntegerRoundTrip { value: i64 },
     /// Stores `value` in a REAL column and reads it back as `f64`.
     RealRoundTrip { value: f64 },
+    /// Enqueues one batch to both fanout targets; `a` acks every message,
+    /// `b` fails a message's first `fail_b` attempts and dead-letters it
+    /// (parked: the fanout has no DLQ) when `poison`.
+    FanoutEnqueue { messages: Vec<FanoutSpec> },
+    /// Every delivery the targets recorded, as `"<target>:<id>@<attempt>"`.
+    Deliveries,
+    /// Every parked dead letter, as `"<target>:<id>"`.
+    Parked,
+    /// Deliveries the fanout still owes.
+    Owed,
     /// The object's clock.
     Now,
+}
+
+/// One fanout message of [`Command::FanoutEnqueue`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FanoutSpec {
+    pub id: String,
+    pub fail_b: u32,
+    pub poison: bool,
 }
 
 /// The object every scenario talks to.
@@ -81,6 +102,7 @@ pub struct Fixture {
     operations: Operations,
     alarms: Alarms,
     log: Log<Value>,
+    fanout: Fanout<FanoutSpec>,
 }
 
 /// The fixture's own tables (the capabilities create theirs).
@@ -90,6 +112,7 @@ CREATE TABLE IF NOT EXISTS conformance_alarm_runs (seq INTEGER PRIMARY KEY AUTOI
 CREATE TABLE IF NOT EXISTS conformance_settings (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS conformance_rows (id INTEGER PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS conformance_values (id INTEGER PRIMARY KEY, i INTEGER, r REAL);
+CREATE TABLE IF NOT EXISTS conformance_deliveries (delivery TEXT PRIMARY KEY);
 ";
 
 impl Fixture {
@@ -149,12 +172,20 @@ impl Fixture {
         let log = Log::builder(&scheduler)
             .build()
             .map_err(|e| e.to_string())?;
+        let fanout = Fanout::<FanoutSpec>::builder(&scheduler)
+            .target("a", recording_target(Rc::clone(&ctx)))
+            .target("b", recording_target(Rc::clone(&ctx)))
+            .max_attempts(5)
+            .retry_delay(Delay::Fixed { ms: 200.0 })
+            .build()
+            .map_err(|e| e.to_string())?;
         Ok(Fixture {
             ctx,
             scheduler,
             operations,
             alarms,
             log,
+            fanout,
         })
     }
 
@@ -381,9 +412,93 @@ impl Fixture {
                     .ok_or("the row is gone")?;
                 json!(back.get::<f64>(0).map_err(|e| text(&e))?)
             }
+            Command::FanoutEnqueue { messages } => {
+                let inputs = messages
+                    .into_iter()
+                    .map(|spec| FanoutInput::new(spec.clone()).id(spec.id))
+                    .collect();
+                match self
+                    .fanout
+                    .enqueue(inputs, &EnqueueOptions::all())
+                    .await
+                    .map_err(|e| text(&e))?
+                {
+                    EnqueueResult::Accepted { value, .. } => json!({ "accepted": value }),
+                    EnqueueResult::Rejected { error, .. } => {
+                        json!({ "rejected": error.to_string() })
+                    }
+                }
+            }
+            Command::Deliveries => {
+                let rows = storage
+                    .query(
+                        "SELECT delivery FROM conformance_deliveries ORDER BY delivery",
+                        &[],
+                    )
+                    .map_err(|e| text(&e))?;
+                let all = rows
+                    .iter()
+                    .map(|row| row.get::<String>(0))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| text(&e))?;
+                json!(all)
+            }
+            Command::Parked => {
+                let parked = self.fanout.parked(None, 1_000).map_err(|e| text(&e))?;
+                json!(
+                    parked
+                        .iter()
+                        .map(|p| format!("{}:{}", p.target, p.message_id))
+                        .collect::<Vec<_>>()
+                )
+            }
+            Command::Owed => json!(
+                self.fanout
+                    .load()
+                    .map_err(|e| text(&e))?
+                    .outbound
+                    .pending_deliveries
+            ),
             Command::Now => json!(self.ctx.now_ms()),
         })
     }
+}
+
+/// A fanout target that records each delivery it keeps; target `b` follows
+/// the message's `fail_b` and `poison`.
+fn recording_target(ctx: Rc<dyn Context>) -> Target<FanoutSpec> {
+    Target::consumer(move |batch: Vec<FanoutMessage<FanoutSpec>>| {
+        let ctx = Rc::clone(&ctx);
+        async move {
+            for message in &batch {
+                if message.target == "b" {
+                    if message.body.poison {
+                        message
+                            .dead_letter()
+                            .await
+                            .map_err(|e| HandlerError::new(e.to_string()))?;
+                        continue;
+                    }
+                    if message.attempt <= message.body.fail_b {
+                        message
+                            .retry()
+                            .await
+                            .map_err(|e| HandlerError::new(e.to_string()))?;
+                        continue;
+                    }
+                }
+                ctx.storage().execute(
+                    "INSERT OR IGNORE INTO conformance_deliveries (delivery) VALUES (?)",
+                    &params![format!(
+                        "{}:{}@{}",
+                        message.target, message.id, message.attempt
+                    )],
+                )?;
+            }
+            Ok::<_, HandlerError>(())
+        }
+    })
+    .ack_on_return(true)
 }
 
 /// A transaction body's own failure, or the storage's.

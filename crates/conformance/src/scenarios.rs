@@ -9,7 +9,7 @@ use std::time::Duration;
 use durability_platform::LocalBoxFuture;
 use serde_json::{Value, json};
 
-use crate::{Command, RETRY_DELAY_MS, SETTLE_TIMEOUT};
+use crate::{Command, FanoutSpec, RETRY_DELAY_MS, SETTLE_TIMEOUT};
 
 /// How a platform is driven.
 pub trait Driver {
@@ -50,6 +50,10 @@ pub const ALL: &[Scenario] = &[
     ("log_append_read_commit", |d, p| {
         Box::pin(log_append_read_commit(d, p))
     }),
+    (
+        "fanout_batch_two_targets_retry_dead_letter_parked",
+        |d, p| Box::pin(fanout_batch_two_targets_retry_dead_letter_parked(d, p)),
+    ),
     (
         "rolled_back_transaction_leaves_neither_rows_nor_alarm",
         |d, p| Box::pin(rolled_back_transaction_leaves_neither_rows_nor_alarm(d, p)),
@@ -257,6 +261,44 @@ async fn log_append_read_commit(driver: &dyn Driver, prefix: &str) -> Result<(),
         )
         .await?;
     check(cursor == 3, || format!("cursor after commit: {cursor}"))
+}
+
+async fn fanout_batch_two_targets_retry_dead_letter_parked(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-fanout");
+    let spec = |id: &str, fail_b: u32, poison: bool| FanoutSpec {
+        id: id.into(),
+        fail_b,
+        poison,
+    };
+    let batch = vec![
+        spec("m1", 0, false),
+        spec("m2", 1, false),
+        spec("m3", 0, true),
+    ];
+    let accepted = driver
+        .call(
+            &object,
+            Command::FanoutEnqueue {
+                messages: batch.clone(),
+            },
+        )
+        .await?;
+    check(accepted["accepted"] == json!(["m1", "m2", "m3"]), || {
+        format!("enqueue: {accepted}")
+    })?;
+    eventually(driver, &object, Command::Owed, |v| *v == 0).await?;
+    let deliveries = driver.call(&object, Command::Deliveries).await?;
+    // Target a got all three at once; b got m1 at once, m2 on its retry,
+    // and dead-lettered m3.
+    check(
+        deliveries == json!(["a:m1@1", "a:m2@1", "a:m3@1", "b:m1@1", "b:m2@2"]),
+        || format!("deliveries: {deliveries}"),
+    )?;
+    let parked = driver.call(&object, Command::Parked).await?;
+    check(parked == json!(["b:m3"]), || format!("parked: {parked}"))
 }
 
 async fn rolled_back_transaction_leaves_neither_rows_nor_alarm(
