@@ -17,9 +17,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use durability_host::{
-    Host, INDEX_FILE, IndexRebuild, ObjectContext, RebuildReason, Synchronous,
-};
+use durability_host::{Host, INDEX_FILE, IndexRebuild, ObjectContext, RebuildReason, Synchronous};
 use durability_platform::{Context, EpochMs};
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
@@ -79,9 +77,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         &Latency::new()?,
     );
 
-    let sound = median_of(ROUNDS, || {
-        runtime.block_on(start(&dir, objects, None))
-    })?;
+    let sound = median_of(ROUNDS, || runtime.block_on(start(&dir, objects, None)))?;
     let deleted = median_of(ROUNDS, || {
         remove_index(&dir)?;
         runtime.block_on(start(&dir, objects, Some(RebuildReason::Missing)))
@@ -121,13 +117,8 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             "start rebuilding a garbage index",
         ),
     ] {
-        let mut measurement = Measurement::new(
-            name,
-            what,
-            count(objects),
-            elapsed,
-            &Latency::new()?,
-        );
+        let mut measurement =
+            Measurement::new(name, what, count(objects), elapsed, &Latency::new()?);
         measurement.compare_with_floor(&floor);
         report.measurements.push(measurement);
         report.figures.push(Figure {
