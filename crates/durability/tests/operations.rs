@@ -1235,3 +1235,43 @@ async fn a_retry_delay_that_misbehaves_is_a_terminal_retry_policy_error() {
     })
     .await;
 }
+
+// Issue 10, defects 2 and 3: a payload the decoder could not read back is
+// refused at start, whatever its depth, without deep recursion.
+#[tokio::test(start_paused = true)]
+async fn a_payload_nested_deeper_than_the_decoder_reads_is_refused_and_stores_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("op", |_: DurableCall<serde_json::Value>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        // 127 levels: serde_json writes it, and could not read it back
+        // inside the stored envelope. 10,000 levels used to overflow the
+        // stack and abort the process.
+        for depth in [127, 10_000] {
+            let payload = support::nested_json(depth);
+            let error = ops.start("op", "deep", &payload).await.unwrap_err();
+            support::dismantle_json(payload);
+            assert!(matches!(error, DurabilityError::Codec(_)), "{error:?}");
+            assert!(
+                error
+                    .to_string()
+                    .contains("deeper than the limit of 100 levels"),
+                "{error}"
+            );
+        }
+        assert_eq!(calls(&*ctx), 0);
+        assert_eq!(physical_alarm(&*ctx).await, None);
+        // The deepest accepted payload runs its handler.
+        let payload = support::nested_json(100);
+        ops.start("op", "ok", &payload).await.unwrap();
+        support::dismantle_json(payload);
+        settle().await;
+        assert_eq!(status_of(&*ctx, "ok").as_deref(), Some("completed"));
+    })
+    .await;
+}

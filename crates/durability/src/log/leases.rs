@@ -44,7 +44,7 @@ use durability_platform::{EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, MAX_TIMER_M
 use serde::de::DeserializeOwned;
 
 use super::store::{self, RangeRow, RangeState};
-use super::{Inner, LogError, LogRecord, RawRecord, require_consumer};
+use super::{Inner, LogError, LogRecord, require_consumer};
 use crate::error::{ConfigError, HandlerError};
 
 /// Default time a worker holds a leased range before it goes back to the pool.
@@ -328,7 +328,15 @@ async fn allocate<B: DeserializeOwned>(
         }
     };
     let page = inner.read_raw(start, u64::from(limit), u64::MAX).await?;
-    let (Some(first), Some(last)) = (page.records.first(), page.records.last()) else {
+    if page.records.is_empty() {
+        return Ok(None);
+    }
+    // Decoded before the range is allocated, and cut before a record that
+    // does not decode: a range is only ever what its holder could read, and
+    // an undecodable record at `start` is an error naming it, skipped by
+    // committing past it.
+    let records = super::decode_prefix::<B>(page.records)?;
+    let (Some(first), Some(last)) = (records.first(), records.last()) else {
         return Ok(None);
     };
     let range = RangeRow {
@@ -342,11 +350,6 @@ async fn allocate<B: DeserializeOwned>(
     };
     let now = engine.now();
     engine.transaction_sync(|sql| store::insert_range(sql, &range, now))?;
-    let records = page
-        .records
-        .into_iter()
-        .map(RawRecord::decode)
-        .collect::<Result<Vec<_>, _>>()?;
     Ok(Some(Lease {
         batch_id: range.batch_id,
         consumer: range.consumer,

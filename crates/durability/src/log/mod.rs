@@ -53,6 +53,17 @@
 //!   holds fewer records than indexed, makes [`Log::read`] fail with
 //!   [`LogError::Truncated`] at the first missing offset, whose `oldest` is
 //!   where reading can resume. The reference would silently jump to the end.
+//! - **A record that does not decode never blocks the others.** A stored
+//!   record that no longer decodes into `B` (written before a change of the
+//!   body type, or damaged) ends the page before it: a read that starts
+//!   below it returns the records up to it, with `next_offset` at it. A read
+//!   (or a lease) that starts exactly at it fails with [`LogError::Decode`]
+//!   naming its offset, and nothing else. The consumer decides: skip it by
+//!   reading from `offset + 1` and committing past it (leased consumers
+//!   skip it with [`Log::commit`] too), or read it with a wider body type
+//!   (`serde_json::Value`) to migrate it. Appends refuse anything the
+//!   decoder could not read back ([`crate::codec::MAX_NESTING_DEPTH`]), so
+//!   only a type change or damage produces such a record.
 //! - **A commit cannot pass the end of the log** ([`LogError::CommitBeyondEnd`]):
 //!   it would make the consumer skip records appended later.
 //! - The log registers itself with the scheduler only to claim its tables
@@ -359,7 +370,9 @@ pub enum LogError {
     /// Cold storage returned an empty locator; the records stay hot.
     #[error("Cold storage must return a non-empty locator (segment {first}..={last})")]
     EmptyLocator { first: u64, last: u64 },
-    /// A stored record does not decode into the log's body type.
+    /// The stored record at `offset` does not decode into the log's body
+    /// type. Only a read or lease starting at that offset fails with it;
+    /// skip it by reading from (and committing) `offset + 1`.
     #[error("record {offset} does not decode: {detail}")]
     Decode { offset: u64, detail: String },
     /// A commit beyond the next offset: the consumer would skip records
@@ -583,6 +596,33 @@ impl RawRecord {
             appended_at: self.appended_at,
         })
     }
+}
+
+/// Decodes a page up to its first record that does not decode, which ends
+/// the page so that one bad record never hides the good ones before it.
+/// Fails only when the very first record does not decode: that error names
+/// its offset, which is what a consumer skips.
+fn decode_prefix<B: DeserializeOwned>(
+    records: Vec<RawRecord>,
+) -> Result<Vec<LogRecord<B>>, LogError> {
+    let mut decoded = Vec::with_capacity(records.len());
+    for raw in records {
+        match raw.decode() {
+            Ok(record) => decoded.push(record),
+            Err(error) => {
+                tracing::warn!(
+                    event = "durability.log.undecodable_record",
+                    %error,
+                    "a stored log record does not decode; the page ends before it"
+                );
+                if decoded.is_empty() {
+                    return Err(error);
+                }
+                break;
+            }
+        }
+    }
+    Ok(decoded)
 }
 
 struct RawPage {
@@ -863,14 +903,13 @@ where
                 read.max_bytes.unwrap_or(u64::MAX),
             )
             .await?;
+        let end = page.next_offset.saturating_add(page.lag);
+        let records = decode_prefix(page.records)?;
+        let next_offset = records.last().map_or(page.next_offset, |r| r.offset + 1);
         Ok(LogPage {
-            records: page
-                .records
-                .into_iter()
-                .map(RawRecord::decode)
-                .collect::<Result<_, _>>()?,
-            next_offset: page.next_offset,
-            lag: page.lag,
+            records,
+            next_offset,
+            lag: end.saturating_sub(next_offset),
         })
     }
 

@@ -307,3 +307,21 @@ impl Gate {
         }
     }
 }
+
+/// `[[...[1]...]]`, `depth` arrays deep.
+pub fn nested_json(depth: usize) -> serde_json::Value {
+    let mut value = serde_json::Value::from(1);
+    for _ in 0..depth {
+        value = serde_json::Value::Array(vec![value]);
+    }
+    value
+}
+
+/// Takes a value from [`nested_json`] apart one level at a time: the derived
+/// drop of a `serde_json::Value` recurses once per level, which a value
+/// thousands of levels deep must not do on a test thread's stack.
+pub fn dismantle_json(mut value: serde_json::Value) {
+    while let serde_json::Value::Array(mut items) = value {
+        value = items.pop().unwrap_or(serde_json::Value::Null);
+    }
+}
