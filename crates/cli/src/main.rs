@@ -9,6 +9,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod inspect;
 mod torture;
 
@@ -41,6 +42,14 @@ enum Command {
     /// Kill a workload's process with SIGKILL again and again, then check
     /// that every guarantee held; exits non-zero on any violation.
     Torture(torture::TortureArgs),
+    /// Random and adversarial inputs against every capability's public API
+    /// and malformed rows in their tables; exits non-zero on any panic,
+    /// abort, hang, write by a rejected call, or accepted work that never
+    /// ends visibly.
+    Fuzz(fuzz::FuzzArgs),
+    /// One process of fuzz cases (started by `fuzz`).
+    #[command(hide = true)]
+    FuzzChild(fuzz::ChildArgs),
     /// One life of a torture workload (started and killed by `torture`).
     #[command(hide = true)]
     TortureChild(torture::ChildArgs),
@@ -58,6 +67,8 @@ enum CliError {
     Bench(#[from] bench::BenchError),
     #[error(transparent)]
     Torture(#[from] torture::TortureError),
+    #[error(transparent)]
+    Fuzz(#[from] fuzz::FuzzError),
 }
 
 fn main() -> ExitCode {
@@ -118,6 +129,20 @@ fn main() -> ExitCode {
                 }
                 Err(error) => fail(&CliError::from(error)),
             };
+        }
+        // Like torture: the report is printed whether it passed or not.
+        Command::Fuzz(args) => {
+            return match fuzz::run(&args) {
+                Ok((text, true)) => print(&text),
+                Ok((text, false)) => {
+                    print(&text);
+                    ExitCode::FAILURE
+                }
+                Err(error) => fail(&CliError::from(error)),
+            };
+        }
+        Command::FuzzChild(args) => {
+            return fuzz::run_child(&args).unwrap_or_else(|error| fail(&CliError::from(error)));
         }
         Command::TortureChild(args) => {
             return torture::run_child(&args).unwrap_or_else(|error| fail(&CliError::from(error)));
