@@ -387,3 +387,44 @@ pub fn drop_flat(value: Value) {
         }
     }
 }
+
+/// A canonical text of `value`, built without recursion: equal values give
+/// equal texts (to compare a body read back with the one appended, however
+/// deep; serde_json's own `==`, `clone` and `to_string` recurse per level).
+pub fn fingerprint(value: &Value) -> String {
+    enum Step<'a> {
+        Value(&'a Value),
+        Text(&'static str),
+        Key(&'a str),
+    }
+    let mut out = String::new();
+    let mut stack = vec![Step::Value(value)];
+    while let Some(step) = stack.pop() {
+        match step {
+            Step::Text(text) => out.push_str(text),
+            Step::Key(key) => {
+                out.push_str(&format!("{key:?}"));
+                out.push(':');
+            }
+            Step::Value(Value::Array(items)) => {
+                out.push('[');
+                stack.push(Step::Text("]"));
+                for item in items.iter().rev() {
+                    stack.push(Step::Text(","));
+                    stack.push(Step::Value(item));
+                }
+            }
+            Step::Value(Value::Object(map)) => {
+                out.push('{');
+                stack.push(Step::Text("}"));
+                for (key, item) in map.iter().rev() {
+                    stack.push(Step::Text(","));
+                    stack.push(Step::Value(item));
+                    stack.push(Step::Key(key));
+                }
+            }
+            Step::Value(scalar) => out.push_str(&scalar.to_string()),
+        }
+    }
+    out
+}
