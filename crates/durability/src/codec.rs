@@ -59,6 +59,17 @@ use thiserror::Error;
 /// segment, plus the envelope) takes 4 of them, and 100 leaves room for both.
 pub const MAX_NESTING_DEPTH: usize = 100;
 
+/// The bytes the stored envelope adds around a value's own JSON:
+/// `{"kind":"value","value":` and `}`.
+const VALUE_ENVELOPE_BYTES: usize = r#"{"kind":"value","value":}"#.len();
+
+/// The length of a value's own JSON (what `serde_json::to_string` writes
+/// for it) inside text [`encode`] returned; 0 for "no value". Limits count
+/// this, not the envelope, which is private to the storage format.
+pub fn body_bytes(stored: &str) -> usize {
+    stored.len().saturating_sub(VALUE_ENVELOPE_BYTES)
+}
+
 /// Why a value could not be encoded, or stored text could not be decoded.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
@@ -571,6 +582,15 @@ mod tests {
             encode_value(Some(&value)).unwrap(),
             r#"{"kind":"value","value":{"z":1,"a":{"y":null,"b":"x"},"m":[1.5,false]}}"#
         );
+    }
+
+    #[test]
+    fn body_bytes_is_the_length_of_the_values_own_json() {
+        for value in [json!(1), json!("é"), json!({"a": [1, 2.5, null]})] {
+            let own = serde_json::to_string(&value).unwrap().len();
+            assert_eq!(body_bytes(&encode(&value).unwrap()), own);
+        }
+        assert_eq!(body_bytes(&encode_value(None).unwrap()), 0);
     }
 
     #[test]

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::codec::CodecError;
+use crate::limits::LimitError;
 use crate::migrations::MigrationError;
 
 /// The `name` of an error that stops retries ([`HandlerError::non_retryable`]).
@@ -365,6 +366,14 @@ pub enum ConfigError {
     /// expire them at once; this port rejects them instead.
     #[error("{field} must be at most {MAX_TIMER_MS} ms (the longest timer), got {value_ms}")]
     AboveTimerLimit { field: String, value_ms: u64 },
+    /// A duration setter given a value that is not a whole number of
+    /// milliseconds: stored times are milliseconds, and rounding would
+    /// silently change the setting.
+    #[error("{field} must be a whole number of milliseconds, got {value:?}")]
+    NotWholeMilliseconds {
+        field: String,
+        value: std::time::Duration,
+    },
     /// A retry delay setting that is NaN, infinite or negative.
     #[error("{field} must be a finite non-negative number of milliseconds, got {value}")]
     InvalidDelay { field: String, value: f64 },
@@ -426,6 +435,10 @@ pub enum DurabilityError {
     /// removed by a later deployment fails on its first claim instead).
     #[error("no handler is registered for {kind} \"{name}\"")]
     UnknownHandler { kind: &'static str, name: String },
+    /// An id, a name or a payload outside its limit (see [`crate::limits`]);
+    /// nothing was written.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },

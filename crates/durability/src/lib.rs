@@ -12,6 +12,7 @@ pub mod codec;
 pub mod error;
 pub mod fanout;
 pub mod lifecycle;
+pub mod limits;
 pub mod load;
 pub mod log;
 pub mod memo;

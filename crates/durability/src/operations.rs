@@ -31,12 +31,13 @@ use serde::de::DeserializeOwned;
 use crate::codec;
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits::{self, DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_LIMIT};
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
 };
 use crate::record::{AttemptRef, DurableTable};
-use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 
@@ -115,7 +116,9 @@ pub struct OperationsBuilder {
     scheduler: Scheduler,
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     include_result: bool,
+    max_payload_bytes: usize,
     hooks: Vec<LifecycleHook>,
 }
 
@@ -162,10 +165,10 @@ impl OperationsBuilder {
         self
     }
 
-    /// How long one attempt may run before it is abandoned. Default 5 min.
+    /// How long one attempt may run before it is abandoned. Default 5 min;
+    /// whole milliseconds, from 1 ms to 2^31 - 1 ms.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -179,6 +182,14 @@ impl OperationsBuilder {
     /// Overrides the policy of one operation, field by field.
     pub fn method(mut self, name: &str, policy: MethodPolicy) -> Self {
         self.policy = self.policy.method(name, policy);
+        self
+    }
+
+    /// Largest payload [`Operations::start`] accepts, in bytes of its own
+    /// JSON. Default 1 MiB; from 1 byte to 32 MiB
+    /// ([`MAX_BODY_BYTES_LIMIT`]).
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
         self
     }
 
@@ -198,13 +209,25 @@ impl OperationsBuilder {
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Operations, DurabilityError> {
-        let policies = self.policy.validate()?;
+        let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         if self.handlers.keys().any(String::is_empty) {
             return Err(ConfigError::NotPositive {
                 field: "handler name length".into(),
             }
             .into());
         }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
+        }
+        limits::check_setting(
+            "max_payload_bytes",
+            self.max_payload_bytes,
+            MAX_BODY_BYTES_LIMIT,
+        )?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =
             engine.prepare_records(OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS, self.hooks)?;
@@ -213,6 +236,7 @@ impl OperationsBuilder {
             handlers: self.handlers,
             policies,
             include_result: self.include_result,
+            max_payload_bytes: self.max_payload_bytes,
             emitter,
             active: ActiveMap::default(),
         });
@@ -269,6 +293,7 @@ struct Inner {
     handlers: HashMap<String, ErasedHandler>,
     policies: Policies,
     include_result: bool,
+    max_payload_bytes: usize,
     emitter: Emitter,
     active: ActiveMap,
 }
@@ -331,7 +356,9 @@ impl Operations {
             scheduler: scheduler.clone(),
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             include_result: false,
+            max_payload_bytes: DEFAULT_MAX_BODY_BYTES,
             hooks: Vec::new(),
         }
     }
@@ -340,6 +367,9 @@ impl Operations {
     /// once the row and the alarm have committed; never waits for the
     /// handler. An id already registered for this operation writes nothing;
     /// an operation without a handler here is rejected and writes nothing.
+    /// An empty id, one longer than [`limits::MAX_ID_BYTES`], a payload
+    /// larger than `max_payload_bytes` or nested deeper than the codec
+    /// allows is a typed error, and writes nothing.
     pub async fn start<P: Serialize + ?Sized>(
         &self,
         operation: &str,
@@ -353,7 +383,14 @@ impl Operations {
                 name: operation.to_owned(),
             });
         }
+        limits::check_id("id", id)?;
         let payload = codec::encode(payload)?;
+        limits::check_body(
+            "payload",
+            codec::body_bytes(&payload),
+            inner.max_payload_bytes,
+            "max_payload_bytes",
+        )?;
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();

@@ -24,6 +24,7 @@
 
 use std::fmt;
 use std::rc::Rc;
+use std::time::Duration;
 
 use durability_platform::{EpochMs, MAX_SAFE_INTEGER, MAX_TIMER_MS};
 
@@ -78,6 +79,24 @@ pub fn jitter(delay_ms: f64, uniform: f64) -> f64 {
 /// makes the record fail terminally with `DurableRetryPolicyError`.
 pub type DelayFn = Rc<dyn Fn(u32, f64) -> Result<f64, HandlerError>>;
 
+/// The longest retry delay a policy accepts: 365 days. A longer one would
+/// push the next attempt towards the end of the safe-integer clock and fail
+/// the work at its first retry instead of at build.
+pub const MAX_RETRY_DELAY_MS: u64 = 365 * 24 * 3_600 * 1_000;
+
+/// `duration` in milliseconds, refusing one that is not a whole number of
+/// them (rounding would silently change the setting); saturates at
+/// `u64::MAX`, which range checks then refuse.
+pub(crate) fn whole_millis(field: &str, duration: Duration) -> Result<u64, ConfigError> {
+    if !duration.subsec_nanos().is_multiple_of(1_000_000) {
+        return Err(ConfigError::NotWholeMilliseconds {
+            field: field.to_owned(),
+            value: duration,
+        });
+    }
+    Ok(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// How long to wait between attempts.
 #[derive(Clone)]
 pub enum Delay {
@@ -98,14 +117,21 @@ impl Delay {
 
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
         let check = |name: &str, value: f64| {
-            if value.is_finite() && value >= 0.0 {
-                Ok(())
-            } else {
-                Err(ConfigError::InvalidDelay {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(ConfigError::InvalidDelay {
                     field: format!("{field}.{name}"),
                     value,
-                })
+                });
             }
+            // Exact: the bound is far below 2^53.
+            if value > MAX_RETRY_DELAY_MS as f64 {
+                return Err(ConfigError::OutOfRange {
+                    field: format!("{field}.{name}"),
+                    min: 0,
+                    max: MAX_RETRY_DELAY_MS,
+                });
+            }
+            Ok(())
         };
         match self {
             Delay::Exponential { initial_ms, max_ms } => {
@@ -274,9 +300,19 @@ impl PolicyOptions {
     /// attempt timeout, the attempt count, the delay, then each method in
     /// the order it was added.
     pub fn validate(self) -> Result<Policies, ConfigError> {
-        check_timeout("attempt_timeout_ms", self.attempt_timeout_ms)?;
+        self.validate_as("attempt_timeout_ms", "delay")
+    }
+
+    /// [`PolicyOptions::validate`], naming the timeout and the delay as the
+    /// helper's own setters do (`attempt_timeout`, `retry_delay`).
+    pub(crate) fn validate_as(
+        self,
+        timeout_field: &str,
+        delay_field: &str,
+    ) -> Result<Policies, ConfigError> {
+        check_timeout(timeout_field, self.attempt_timeout_ms)?;
         check_attempts("max_attempts", self.max_attempts)?;
-        self.delay.validate("delay")?;
+        self.delay.validate(delay_field)?;
         for (name, method) in &self.methods {
             if let Some(ms) = method.attempt_timeout_ms {
                 check_timeout(&format!("methods.{name}.attempt_timeout_ms"), ms)?;

@@ -2020,7 +2020,8 @@ async fn bodies_that_are_too_large_or_not_json_are_rejected_with_nothing_written
                 "a",
                 Target::consumer(|_: Vec<FanoutMessage<f64>>| async { Ok::<_, HandlerError>(()) }),
             )
-            .max_body_bytes(30)
+            // Counted on the body's own JSON: 12345.678 is 9 bytes.
+            .max_body_bytes(8)
             .batch_delay(Duration::from_secs(3_600))
             .build()
             .unwrap();
@@ -2039,7 +2040,11 @@ async fn bodies_that_are_too_large_or_not_json_are_rejected_with_nothing_written
                     .enqueue(vec![FanoutInput::new(12_345.678)], &EnqueueOptions::all())
                     .await
             ),
-            EnqueueRejection::BodyTooLarge { max_bytes: 30, .. }
+            EnqueueRejection::BodyTooLarge {
+                bytes: 9,
+                max_bytes: 8,
+                ..
+            }
         ));
         assert_eq!(snapshot(&*ctx), before);
     })
@@ -2128,8 +2133,12 @@ async fn invalid_configuration_is_a_typed_error_naming_the_rule() {
             Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_body_bytes"
         ));
         assert!(matches!(
+            build(&|b| b.target("a", target()).batch_delay(Duration::from_millis(u64::MAX))),
+            Err(FanoutConfigError::Config(ConfigError::OutOfRange { field, .. })) if field == "batch_delay"
+        ));
+        assert!(matches!(
             build(&|b| b.target("a", target()).batch_delay(Duration::MAX)),
-            Err(FanoutConfigError::Config(ConfigError::OutOfRange { .. }))
+            Err(FanoutConfigError::Config(ConfigError::NotWholeMilliseconds { field, .. })) if field == "batch_delay"
         ));
         assert!(matches!(
             build(&|b| b.target("a", target().policy(MethodPolicy::new().max_attempts(0)))),
@@ -2564,6 +2573,134 @@ async fn a_parked_body_that_does_not_decode_never_hides_the_other_parked_entries
         let rest = fanout.parked(page.last(), 10).unwrap();
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].message_id, "z");
+    })
+    .await;
+}
+
+// Issue 10, defect 8: ids and keys have the limit of every capability, and
+// max_body_bytes counts the body's own JSON, not the stored envelope.
+#[tokio::test(start_paused = true)]
+async fn overlong_ids_and_keys_are_rejected_and_the_body_limit_counts_the_bodys_own_json() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", acking(&Batches::default()))
+            .max_body_bytes(10)
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let long = "i".repeat(1025);
+        for overlong in [
+            FanoutInput::new("b".to_owned()).id(long.as_str()),
+            FanoutInput::new("b".to_owned())
+                .id("m")
+                .deduplication_key(long.as_str()),
+        ] {
+            let error = rejected(
+                fanout
+                    .enqueue(
+                        vec![FanoutInput::new("ok".to_owned()).id("ok"), overlong],
+                        &EnqueueOptions::all(),
+                    )
+                    .await,
+            );
+            assert!(
+                error.to_string().starts_with("message 1: ")
+                    && error
+                        .to_string()
+                        .ends_with("is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"),
+                "{error}"
+            );
+        }
+        // "12345678" is 10 bytes of JSON (its quotes included), 35 stored.
+        let error = rejected(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new("123456789".to_owned()).id("over")],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        assert_eq!(
+            error.to_string(),
+            "the body of message 0 is 11 bytes of JSON, above the limit of 10 (max_body_bytes)"
+        );
+        assert_eq!(snapshot(&*ctx), before);
+        accepted(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new("12345678".to_owned()).id(&*"i".repeat(1024))],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_enqueue_or_redrive_of_more_than_max_enqueue_messages_is_rejected_whole() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", acking(&Batches::default()))
+            .max_enqueue_messages(2)
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let error = rejected(
+            fanout
+                .enqueue(inputs(&["a", "b", "c"]), &EnqueueOptions::all())
+                .await,
+        );
+        assert_eq!(
+            error.to_string(),
+            "messages holds 3 items, above the limit of 2 per call (max_enqueue_messages)"
+        );
+        let error = rejected(fanout.redrive_parked(&["x", "y", "z"]).await);
+        assert!(matches!(error, EnqueueRejection::TooManyMessages(_)));
+        assert_eq!(snapshot(&*ctx), before);
+        accepted(
+            fanout
+                .enqueue(inputs(&["a", "b"]), &EnqueueOptions::all())
+                .await,
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn count_and_size_settings_are_bounded_at_build_naming_the_setter() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let build = |configure: &dyn Fn(
+            durability::fanout::FanoutBuilder<String>,
+        ) -> durability::fanout::FanoutBuilder<String>| {
+            configure(
+                Fanout::<String>::builder(&scheduler).target("t", acking(&Batches::default())),
+            )
+            .build()
+            .map(|_| ())
+        };
+        let cases: [(&dyn Fn(_) -> _, &str, u64); 3] = [
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_body_bytes(usize::MAX), "max_body_bytes", 32 << 20),
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_batch_size(usize::MAX), "max_batch_size", 100_000),
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_enqueue_messages(100_001), "max_enqueue_messages", 100_000),
+        ];
+        for (configure, setter, max) in cases {
+            match build(configure) {
+                Err(FanoutConfigError::Config(ConfigError::OutOfRange { field, min: 1, max: m })) => {
+                    assert_eq!((field.as_str(), m), (setter, max));
+                }
+                other => panic!("{setter}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            build(&|b| b.max_enqueue_messages(0)),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_enqueue_messages"
+        ));
     })
     .await;
 }

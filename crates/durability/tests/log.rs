@@ -917,3 +917,75 @@ async fn a_record_that_does_not_decode_never_blocks_reads_of_the_others() {
     })
     .await;
 }
+
+// Issue 10, defect 8: log keys and consumer names have the identifier limit
+// of every capability, and record bodies a limit (1 MiB of their own JSON
+// by default).
+#[tokio::test(start_paused = true)]
+async fn overlong_keys_and_consumers_and_oversized_bodies_are_refused_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.build().unwrap();
+        let long = "k".repeat(1025);
+        let fits = Value::String("b".repeat((1 << 20) - 2));
+        let over = Value::String("b".repeat((1 << 20) - 1));
+        let batches = [
+            (
+                vec![
+                    AppendRecord::new(json!(1)),
+                    AppendRecord::keyed(long.as_str(), json!(2)),
+                ],
+                "records[1]: key is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)",
+            ),
+            (
+                vec![AppendRecord::new(over)],
+                "records[0]: body is 1048577 bytes, above the limit of 1048576 (max_body_bytes)",
+            ),
+        ];
+        for (batch, message) in batches {
+            let outcome = log.append(batch).await.unwrap();
+            let error = outcome.rejection().expect("rejected");
+            assert_eq!(error.to_string(), message);
+        }
+        assert!(hot_offsets(&h).is_empty());
+        let error = log.commit(&long, 0).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "consumer must be at most 1024 bytes (MAX_ID_BYTES)"
+        );
+        assert!(log.cursors().await.unwrap().is_empty());
+        append(&log, vec![AppendRecord::keyed("k".repeat(1024), fits)]).await;
+        log.commit(&"c".repeat(1024), 1).await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_body_bytes_is_configurable_and_bounded_at_build() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let error = b.max_body_bytes(0).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "max_body_bytes must be a positive integer"
+        );
+        let (_s, b) = builder(&h);
+        let error = b.max_batch_size(u32::MAX).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "max_batch_size must be between 1 and 100000"
+        );
+        let (_s, b) = builder(&h);
+        let log = b.max_body_bytes(7).build().unwrap();
+        append(&log, vec![AppendRecord::new(json!("hello"))]).await;
+        let outcome = log
+            .append(vec![AppendRecord::new(json!("hello!"))])
+            .await
+            .unwrap();
+        assert_eq!(
+            outcome.rejection().map(ToString::to_string).as_deref(),
+            Some("records[0]: body is 8 bytes, above the limit of 7 (max_body_bytes)")
+        );
+    })
+    .await;
+}

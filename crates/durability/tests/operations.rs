@@ -1109,7 +1109,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::AboveTimerLimit {
-                field: "attempt_timeout_ms".into(),
+                field: "attempt_timeout".into(),
                 value_ms: 2_147_483_648
             }
         );
@@ -1119,9 +1119,7 @@ async fn invalid_options_are_typed_config_errors() {
                 .attempt_timeout(Duration::ZERO)
                 .build(),
         );
-        assert!(
-            matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout_ms")
-        );
+        assert!(matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout"));
         let error = config_error(
             Operations::builder(&scheduler)
                 .handler("op", noop)
@@ -1272,6 +1270,187 @@ async fn a_payload_nested_deeper_than_the_decoder_reads_is_refused_and_stores_no
         support::dismantle_json(payload);
         settle().await;
         assert_eq!(status_of(&*ctx, "ok").as_deref(), Some("completed"));
+    })
+    .await;
+}
+
+// Issue 10, defect 8: the id limits of every capability, and a payload
+// limit counted on the payload's own JSON.
+#[tokio::test(start_paused = true)]
+async fn an_empty_or_overlong_id_and_an_oversized_payload_are_refused_and_store_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        let error = ops.start("op", "", &"x").await.unwrap_err();
+        assert_eq!(error.to_string(), "id must not be empty");
+        let error = ops.start("op", &"i".repeat(1025), &"x").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "id is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        // 1 MiB of JSON by default: a string of 2^20 - 2 characters and its
+        // two quotes fit; one character more does not.
+        let fits = "p".repeat((1 << 20) - 2);
+        let over = "p".repeat((1 << 20) - 1);
+        let error = ops.start("op", "big", &over).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 1048577 bytes, above the limit of 1048576 (max_payload_bytes)"
+        );
+        assert_eq!(calls(&*ctx), 0);
+        ops.start("op", &"i".repeat(1024), &fits).await.unwrap();
+        assert_eq!(calls(&*ctx), 1);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_payload_bytes_is_configurable_and_bounded_at_build() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let builder = || {
+            Operations::builder(&scheduler).handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+        };
+        for (bytes, expected) in [
+            (0, "max_payload_bytes must be a positive integer"),
+            (
+                (32 << 20) + 1,
+                "max_payload_bytes must be between 1 and 33554432",
+            ),
+        ] {
+            let error = builder().max_payload_bytes(bytes).build().err().unwrap();
+            assert_eq!(error.to_string(), expected);
+        }
+        let error = builder()
+            .handler(&"h".repeat(1025), |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .err()
+            .unwrap();
+        assert_eq!(
+            error.to_string(),
+            "handler name is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        let ops = builder().max_payload_bytes(7).build().unwrap();
+        ops.start("op", "fits", "hello").await.unwrap();
+        let error = ops.start("op", "over", "hello!").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 8 bytes, above the limit of 7 (max_payload_bytes)"
+        );
+    })
+    .await;
+}
+
+/// The message of a builder's error, or `None` when it built.
+fn build_error<T>(built: Result<T, impl std::fmt::Display>) -> Option<String> {
+    built.err().map(|error| error.to_string())
+}
+
+// Issue 10, defect 6: a duration that is not whole milliseconds is refused
+// by every setter that takes one, naming the setter.
+#[tokio::test(start_paused = true)]
+async fn durations_that_are_not_whole_milliseconds_are_refused_by_every_setter() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let odd = Duration::from_micros(1_500);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let rule = "attempt_timeout must be a whole number of milliseconds, got 1.5ms";
+        let operations = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(operations).as_deref(), Some(rule));
+        let alarms = durability::Alarms::builder(&scheduler)
+            .handler("a", |_| async { Ok::<_, HandlerError>(()) })
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(alarms).as_deref(), Some(rule));
+        let consumer = || {
+            durability::fanout::Target::consumer(
+                |_: Vec<durability::fanout::FanoutMessage<String>>| async {
+                    Ok::<_, HandlerError>(())
+                },
+            )
+        };
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(fanout).as_deref(), Some(rule));
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .batch_delay(odd)
+            .build();
+        assert_eq!(
+            build_error(fanout).as_deref(),
+            Some("batch_delay must be a whole number of milliseconds, got 1.5ms")
+        );
+        // Whole milliseconds still build, each on a scheduler of its own.
+        Operations::builder(&Scheduler::new(h.context()).unwrap())
+            .handler("op", noop)
+            .attempt_timeout(Duration::from_micros(2_000))
+            .build()
+            .unwrap();
+    })
+    .await;
+}
+
+// Issue 10, defect 7: every setting is bounded at build with a typed error,
+// never a panic later or a failure of the work at its first retry.
+#[tokio::test(start_paused = true)]
+async fn every_setting_is_bounded_at_build_with_a_typed_error() {
+    support::on_harness(|h| async move {
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Scheduler::builder(h.context())
+                .alarm_concurrency(usize::MAX)
+                .build()
+                .err()
+                .map(|error| error.to_string())
+        }));
+        assert_eq!(
+            built.expect("no panic").as_deref(),
+            Some("alarm_concurrency must be between 1 and 10000")
+        );
+        let scheduler = scheduler(&h);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let cases = [
+            (
+                Delay::Fixed { ms: 1e300 },
+                "retry_delay.ms must be between 0 and 31536000000",
+            ),
+            (
+                Delay::Exponential {
+                    initial_ms: 1_000.0,
+                    max_ms: 1e300,
+                },
+                "retry_delay.max_ms must be between 0 and 31536000000",
+            ),
+        ];
+        for (delay, rule) in cases {
+            let built = Operations::builder(&scheduler)
+                .handler("op", noop)
+                .retry_delay(delay)
+                .build();
+            assert_eq!(build_error(built).as_deref(), Some(rule));
+        }
+        let built = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .method("op", MethodPolicy::new().delay(Delay::Fixed { ms: 1e300 }))
+            .build();
+        assert_eq!(
+            build_error(built).as_deref(),
+            Some("methods.op.delay.ms must be between 0 and 31536000000")
+        );
     })
     .await;
 }

@@ -71,6 +71,12 @@ where
         ids: &[&str],
     ) -> Result<EnqueueResult<Vec<String>>, FanoutError> {
         let inner = &self.inner;
+        if let Err(error) = inner.check_count(ids.len()) {
+            return Ok(EnqueueResult::Rejected {
+                error,
+                load: inner.load()?,
+            });
+        }
         let inbound = inner.routing.begin(Direction::Inbound);
         let message_ids = RefCell::new(Vec::with_capacity(ids.len()));
         let registered = inner

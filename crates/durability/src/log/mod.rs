@@ -103,7 +103,8 @@ use serde::de::DeserializeOwned;
 use thiserror::Error;
 
 use crate::codec::{self, CodecError};
-use crate::error::{ConfigError, DurabilityError, SerializedError};
+use crate::error::{DurabilityError, SerializedError};
+use crate::limits::{self, LimitError};
 use crate::load::{Direction, Load, LoadSnapshot};
 use crate::migrations::{
     self, LOG_CAPABILITY, LOG_LEASES_CAPABILITY, LOG_LEASES_MIGRATIONS, LOG_MIGRATIONS,
@@ -308,6 +309,10 @@ pub enum AppendRejection {
     /// A deduplication key that is the empty string.
     #[error("records[{index}].key must not be empty")]
     EmptyKey { index: usize },
+    /// A key longer than [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES), or
+    /// a body larger than the log's `max_body_bytes`.
+    #[error("records[{index}]: {limit}")]
+    Limit { index: usize, limit: LimitError },
     /// A body that cannot be stored as JSON.
     #[error("records[{index}].body is not JSON: {source}")]
     Body {
@@ -399,6 +404,7 @@ pub enum LogError {
 pub struct LogBuilder<B> {
     scheduler: Scheduler,
     max_batch_size: u32,
+    max_body_bytes: usize,
     retention: Option<Retention>,
     cold: Option<Rc<dyn ColdStorage>>,
     leases: Option<Leases>,
@@ -410,9 +416,20 @@ impl<B> LogBuilder<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// The largest append batch, read page and cold segment. Default 100.
+    /// The largest append batch, read page and cold segment. Default 100;
+    /// from 1 to 100,000
+    /// ([`MAX_ITEMS_PER_CALL_LIMIT`](crate::limits::MAX_ITEMS_PER_CALL_LIMIT)).
     pub fn max_batch_size(mut self, records: u32) -> Self {
         self.max_batch_size = records;
+        self
+    }
+
+    /// Largest record body an append accepts, measured as the body's own
+    /// JSON. Default 1 MiB; from 1 byte to 32 MiB
+    /// ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)). A
+    /// larger body rejects its whole batch.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
         self
     }
 
@@ -446,12 +463,16 @@ where
     /// Validates the options, migrates the schema and claims the log's
     /// tables on the scheduler (one log per object).
     pub fn build(self) -> Result<Log<B>, DurabilityError> {
-        if self.max_batch_size == 0 {
-            return Err(ConfigError::NotPositive {
-                field: "max_batch_size".into(),
-            }
-            .into());
-        }
+        limits::check_setting(
+            "max_batch_size",
+            usize::try_from(self.max_batch_size).unwrap_or(usize::MAX),
+            limits::MAX_ITEMS_PER_CALL_LIMIT,
+        )?;
+        limits::check_setting(
+            "max_body_bytes",
+            self.max_body_bytes,
+            limits::MAX_BODY_BYTES_LIMIT,
+        )?;
         let retention = self.retention.map(Retention::validate).transpose()?;
         let leases = self.leases.map(Leases::validate).transpose()?;
         let engine = Rc::clone(&self.scheduler.engine);
@@ -462,6 +483,7 @@ where
         let inner = Rc::new(Inner {
             engine: Rc::clone(&engine),
             max_batch_size: self.max_batch_size,
+            max_body_bytes: self.max_body_bytes,
             retention,
             cold: self.cold,
             leases,
@@ -515,6 +537,7 @@ impl<B> fmt::Debug for Log<B> {
 struct Inner {
     engine: Rc<Engine>,
     max_batch_size: u32,
+    max_body_bytes: usize,
     retention: Option<Limits>,
     cold: Option<Rc<dyn ColdStorage>>,
     leases: Option<LeaseConfig>,
@@ -648,6 +671,7 @@ where
         LogBuilder {
             scheduler: scheduler.clone(),
             max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+            max_body_bytes: limits::DEFAULT_MAX_BODY_BYTES,
             retention: None,
             cold: None,
             leases: None,
@@ -733,6 +757,17 @@ where
                 Ok(payload) => payload,
                 Err(source) => return rejected(AppendRejection::Body { index, source }),
             };
+            let body_bytes = codec::body_bytes(&payload);
+            if let Err(limit) =
+                limits::check_body("body", body_bytes, inner.max_body_bytes, "max_body_bytes")
+            {
+                return rejected(AppendRejection::Limit { index, limit });
+            }
+            if let Some(key) = record.key.as_deref().filter(|key| !key.is_empty())
+                && let Err(limit) = limits::check_id("key", key)
+            {
+                return rejected(AppendRejection::Limit { index, limit });
+            }
             match record.key.as_deref() {
                 Some("") => return rejected(AppendRejection::EmptyKey { index }),
                 Some(key) => {
@@ -1046,6 +1081,12 @@ fn require_consumer(consumer: &str) -> Result<(), LogError> {
         return Err(LogError::InvalidArgument {
             field: "consumer",
             rule: "must not be empty",
+        });
+    }
+    if consumer.len() > limits::MAX_ID_BYTES {
+        return Err(LogError::InvalidArgument {
+            field: "consumer",
+            rule: "must be at most 1024 bytes (MAX_ID_BYTES)",
         });
     }
     Ok(())
