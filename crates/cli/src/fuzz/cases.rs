@@ -101,11 +101,13 @@ pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
         stage,
         malformed: false,
     };
-    match tokio::time::timeout(VIRTUAL_BUDGET * 2, cx.run(kind)).await {
+    // Each of a case's (at most 6) waits may spend the budget.
+    let limit = VIRTUAL_BUDGET * 8;
+    match tokio::time::timeout(limit, cx.run(kind)).await {
         Ok(verdict) => verdict,
         Err(_) => Err(format!(
             "hang: the case did not finish within {} virtual days",
-            (VIRTUAL_BUDGET * 2).as_secs() / 86_400
+            limit.as_secs() / 86_400
         )),
     }
 }
@@ -307,7 +309,7 @@ impl Cx {
             match started {
                 Ok(Registration::Created) => {
                     let ended = self
-                        .drive(|_| match ops.result::<Value>(&operation, &id) {
+                        .drive(|cx| match ops.result::<Value>(&operation, &id) {
                             Ok(OperationResult::Pending {
                                 attempt,
                                 last_error,
@@ -315,6 +317,11 @@ impl Cx {
                             }) if i64::from(attempt) >= VISIBLE_AFTER_ATTEMPTS
                                 && last_error.is_some() =>
                             {
+                                Ok(Progress::Retrying)
+                            }
+                            Ok(OperationResult::Pending {
+                                next_attempt_at, ..
+                            }) if next_attempt_at > beyond_budget(cx.now()) => {
                                 Ok(Progress::Retrying)
                             }
                             Ok(OperationResult::Pending { .. }) => Ok(Progress::Waiting),
@@ -429,6 +436,11 @@ impl Cx {
                     let ended = self
                         .drive(|cx| {
                             Ok(match row(cx)? {
+                                Some((status, next_at, ..))
+                                    if status == "pending" && next_at > beyond_budget(cx.now()) =>
+                                {
+                                    Progress::Retrying
+                                }
                                 Some((status, ..)) if status == "pending" => Progress::Waiting,
                                 _ => Progress::Ended,
                             })
@@ -664,7 +676,11 @@ impl Cx {
                     read().map_err(|e| format!("a delivery row does not decode: {e}"))?;
                 if phase != "dead_letter" {
                     self.visibly_waiting(
-                        &format!("fanout delivery of {} to {}", shown_str(&key), shown_str(&target)),
+                        &format!(
+                            "fanout delivery of {} to {}",
+                            shown_str(&key),
+                            shown_str(&target)
+                        ),
                         next_at,
                         attempt,
                         last_error,
@@ -756,7 +772,7 @@ impl Cx {
                         } else {
                             self.fx.body("body")
                         };
-                        bodies.push(body.clone());
+                        bodies.push(fingerprint(&body));
                         records.push(if self.fx.chance(0.3) {
                             AppendRecord::keyed(self.fx.name("key"), body)
                         } else {
@@ -865,8 +881,10 @@ impl Cx {
                 Some(record) if record.offset == offset && fingerprint(&record.body) == body => {}
                 Some(record) => {
                     return Err(format!(
-                        "accepted record {offset} reads back as offset {} with another body",
-                        record.offset
+                        "accepted record {offset} reads back as offset {} with another body: {} instead of {}",
+                        record.offset,
+                        shown_str(&fingerprint(&record.body)),
+                        shown_str(&body)
                     ));
                 }
                 None => return Err(format!("accepted record {offset} is missing")),
@@ -1120,6 +1138,12 @@ impl Cx {
         }
         Ok(())
     }
+}
+
+/// A time past which waiting for work is pointless: it is visibly
+/// scheduled after the case's budget.
+fn beyond_budget(now: i64) -> i64 {
+    now.saturating_add(i64::try_from(VIRTUAL_BUDGET.as_millis()).unwrap_or(i64::MAX))
 }
 
 const BEHAVIOURS: [&str; 6] = [
