@@ -114,10 +114,6 @@ pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
 
 impl Cx {
     async fn run(&mut self, kind: usize) -> Result<(), Failed> {
-        self.fx.note(format!(
-            "case kind: {}",
-            KINDS.get(kind).copied().unwrap_or("?")
-        ));
         match kind {
             0 => self.operations().await,
             1 => self.alarms().await,

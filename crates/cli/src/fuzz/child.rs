@@ -163,6 +163,7 @@ async fn run_case(
     let kind = fx.below(KINDS.len());
     let kind_name = cases::kind_name(kind);
     emit(&format!("B {case} {kind_name}"));
+    fx.note(format!("case kind: {kind_name}"));
     let steps: Arc<Mutex<Vec<String>>> = fx.shared_trace();
     match inject {
         Some(Inject::Abort) => std::process::abort(),
