@@ -1092,15 +1092,20 @@ impl Cx {
             if self.fx.chance(0.6) {
                 let column = self.fx.pick(&columns);
                 let value = self.fx.garbage();
-                self.fx
-                    .note(format!("UPDATE {table} SET {column} = {value:?}"));
+                self.fx.note(format!(
+                    "UPDATE {table} SET {column} = {}",
+                    shown_str(&format!("{value:?}"))
+                ));
                 let _ = sql.execute(
                     &format!("UPDATE \"{table}\" SET \"{column}\" = ?"),
                     &[value],
                 );
             } else {
                 let values: Vec<Sql> = columns.iter().map(|_| self.fx.garbage()).collect();
-                self.fx.note(format!("INSERT INTO {table} {values:?}"));
+                self.fx.note(format!(
+                    "INSERT INTO {table} {}",
+                    shown_str(&format!("{values:?}"))
+                ));
                 let marks = vec!["?"; columns.len()].join(", ");
                 let _ = sql.execute(
                     &format!("INSERT INTO \"{table}\" VALUES ({marks})"),
