@@ -276,7 +276,30 @@ pub(super) async fn lease<B: DeserializeOwned>(
             }
             // Read before reclaiming: a range whose records are gone fails
             // without being handed out to nobody.
-            let records = read_range::<B>(inner, owed.first_offset, owed.last_offset).await?;
+            let records = match read_range::<B>(inner, owed.first_offset, owed.last_offset).await {
+                Ok(records) => records,
+                // A record of the range stopped decoding after it was
+                // allocated (damage): the range can never be handed out
+                // whole again. With a poison hook it is skipped as poison
+                // now rather than failing every lease of the consumer;
+                // without one, the error names the record (commit past the
+                // range to go on).
+                Err(LogError::Decode { offset, .. }) if config.poison.is_some() => {
+                    tracing::warn!(
+                        event = "durability.log.range_undecodable",
+                        consumer,
+                        first_offset = owed.first_offset,
+                        last_offset = owed.last_offset,
+                        offset,
+                        "a leased range holds a record that no longer decodes"
+                    );
+                    if let Some((_, hook)) = &config.poison {
+                        skip_poison(inner, &owed, hook)?;
+                    }
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             let batch_id = engine.new_generation();
             let expires_at = engine.now().saturating_add(config.lease_ms);
             let reclaimed = engine.transaction_sync(|sql| {

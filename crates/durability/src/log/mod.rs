@@ -63,7 +63,11 @@
 //!   skip it with [`Log::commit`] too), or read it with a wider body type
 //!   (`serde_json::Value`) to migrate it. Appends refuse anything the
 //!   decoder could not read back ([`crate::codec::MAX_NESTING_DEPTH`]), so
-//!   only a type change or damage produces such a record.
+//!   only a type change or damage produces such a record. A leased range
+//!   is allocated only over records that decode; if one of its records
+//!   stops decoding later (damage), the range is skipped as poison when an
+//!   `on_poison` hook is configured; without one, handing it out again fails
+//!   with the same error until the consumer commits past the range.
 //! - **A commit cannot pass the end of the log** ([`LogError::CommitBeyondEnd`]):
 //!   it would make the consumer skip records appended later.
 //! - The log registers itself with the scheduler only to claim its tables
