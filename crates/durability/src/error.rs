@@ -88,6 +88,18 @@ pub enum LibraryErrorKind {
     ResultSerialization,
     /// [`HandlerError::attempts_exhausted`].
     AttemptsExhausted,
+    /// `FanoutEnqueueError`: a stored or returned enqueue rejection.
+    FanoutEnqueue,
+    /// `FanoutSettlementError`: a rejected settlement call.
+    FanoutSettlement,
+    /// `FanoutTimeoutError`: a batch or DLQ write past its deadline.
+    FanoutTimeout,
+    /// `LogAppendError`: a log append rejection.
+    LogAppend,
+    /// `RangeError`: a value out of its range (a retry delay).
+    Range,
+    /// `StorageError`: storage failed under a settlement.
+    Storage,
 }
 
 /// What a user handler returns when an attempt fails, and what the engine
@@ -352,6 +364,11 @@ impl From<SerializedError> for HandlerError {
 
 /// Invalid configuration, returned when a scheduler, a helper or a policy is
 /// built. Each variant is one rule and names the field that broke it.
+///
+/// `field` is the Rust builder setter the value came through
+/// (`alarm_min_delay`, `max_batch_size`, `leases.lease_for` for the `lease_for`
+/// setter of the `leases` option), never a form with units or rules in it;
+/// the rule and its units are in the message.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
 pub enum ConfigError {
@@ -361,6 +378,14 @@ pub enum ConfigError {
     /// A value outside its inclusive range.
     #[error("{field} must be between {min} and {max}")]
     OutOfRange { field: String, min: u64, max: u64 },
+    /// A duration that is not a whole number of milliseconds within its
+    /// inclusive range.
+    #[error("{field} must be a whole number of milliseconds from {min_ms} ms to {max_ms} ms")]
+    DurationOutOfRange {
+        field: String,
+        min_ms: u64,
+        max_ms: u64,
+    },
     /// A duration longer than any in-memory timer can wait. JavaScript
     /// timers treat such delays as zero, so the reference library would
     /// expire them at once; this port rejects them instead.
@@ -442,6 +467,16 @@ pub enum DurabilityError {
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },
+    /// A read (`Operations::result`, `Operations::wait`) named another
+    /// operation than the one registered under `id`. Nothing was read.
+    #[error(
+        "Durable call \"{id}\" belongs to operation \"{registered}\", not \"{requested}\"; read it under its own name"
+    )]
+    OperationMismatch {
+        id: String,
+        registered: String,
+        requested: String,
+    },
 }
 
 impl DurabilityError {

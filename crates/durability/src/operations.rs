@@ -28,7 +28,7 @@ use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageE
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::codec;
+use crate::codec::{self, CodecError};
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
 use crate::limits::{self, DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_LIMIT};
@@ -65,6 +65,11 @@ pub struct DurableCall<P> {
     pub signal: AbortSignal,
     /// Persists a step's result so a retried attempt reuses it.
     pub memo: Memo,
+    /// The physical alarm's invocation info when this attempt runs in a
+    /// pass the object's alarm started (`Scheduler::alarm(Some(info))`);
+    /// `None` for an eager start at registration and for runs of the
+    /// in-memory timer. The same rule as [`AlarmCall::platform`](crate::AlarmCall::platform).
+    pub platform: Option<AlarmInfo>,
 }
 
 type ErasedHandler = Rc<dyn Fn(CallInput) -> LocalBoxFuture<'static, Result<Output, HandlerError>>>;
@@ -76,6 +81,7 @@ struct CallInput {
     attempt: u32,
     signal: AbortSignal,
     memo: Memo,
+    platform: Option<AlarmInfo>,
 }
 
 /// The state of one operation, as [`Operations::result`] reads it.
@@ -125,6 +131,15 @@ pub struct OperationsBuilder {
 impl OperationsBuilder {
     /// Registers the handler of the operation `name`: it receives the
     /// decoded payload and returns a result that is stored as JSON.
+    ///
+    /// A stored payload that does not decode as `P` fails the attempt
+    /// without calling the handler. If it is valid stored text of another
+    /// type, that is an ordinary, retryable failure (a fixed deployment may
+    /// read it). If it is not in the stored format at all (a row written by
+    /// hand as `'null'` instead of `{"kind":"value","value":null}`), no
+    /// deployment can ever read it: the operation fails for good at its
+    /// first attempt with a `NonRetryableError` that says what is wrong and
+    /// what the format is, logged once.
     pub fn handler<P, R, F, Fut>(mut self, name: &str, handler: F) -> Self
     where
         P: DeserializeOwned + 'static,
@@ -133,12 +148,10 @@ impl OperationsBuilder {
         Fut: Future<Output = Result<R, HandlerError>> + 'static,
     {
         let erased: ErasedHandler = Rc::new(move |input: CallInput| {
-            // A payload that no longer decodes is an ordinary, retryable
-            // failure: a fixed deployment may read it.
             let payload = match codec::decode_as::<P>(&input.payload) {
                 Ok(payload) => payload,
                 Err(error) => {
-                    return Box::pin(std::future::ready(Err(HandlerError::from(error))))
+                    return Box::pin(std::future::ready(Err(payload_error(&input, error))))
                         as LocalBoxFuture<'static, _>;
                 }
             };
@@ -149,6 +162,7 @@ impl OperationsBuilder {
                 attempt: input.attempt,
                 signal: input.signal,
                 memo: input.memo,
+                platform: input.platform,
             });
             Box::pin(async move {
                 let result = running.await?;
@@ -443,7 +457,7 @@ impl Operations {
             let operation = operation.to_owned();
             let id = id.to_owned();
             engine.ctx.wait_until(Box::pin(async move {
-                if let Err(error) = run.execute(&id, Some(permit)).await {
+                if let Err(error) = run.execute(&id, Some(permit), None).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -468,6 +482,14 @@ impl Operations {
 
     /// Reads the state of operation `operation` registered under `id`.
     /// Never changes anything.
+    ///
+    /// The name is asked beside the id on purpose: the result is decoded
+    /// as the caller's `R`, which belongs to one operation, and ids are the
+    /// caller's own strings, so reading an id under the wrong operation is
+    /// a mix-up worth an error rather than a decode failure or a wrong
+    /// value. It is [`DurabilityError::OperationMismatch`] naming both
+    /// operations (a registration under the wrong name, by contrast, is
+    /// [`DurabilityError::DuplicateCall`]).
     pub fn result<R: DeserializeOwned>(
         &self,
         operation: &str,
@@ -481,7 +503,9 @@ impl Operations {
 
     /// Waits up to `timeout` for the operation to settle (complete, fail for
     /// good, or be purged), then returns its state. In memory only: a wait
-    /// does not survive eviction, and a zero timeout just reads.
+    /// does not survive eviction, and a zero timeout just reads. A wrong
+    /// name answers at once with [`DurabilityError::OperationMismatch`], as
+    /// [`Operations::result`] does.
     pub async fn wait<R: DeserializeOwned>(
         &self,
         operation: &str,
@@ -561,14 +585,45 @@ impl Operations {
     }
 }
 
+/// The failure of an attempt whose stored payload does not decode.
+///
+/// A payload of the wrong *type* (the handler's `P` changed) is an ordinary,
+/// retryable failure: a fixed deployment may read it. Stored text that is
+/// not the stored format at all (not JSON, or JSON without the
+/// `{"kind":"value","value":...}` envelope, such as a raw row written as
+/// `'null'`) can never decode, whatever is deployed: it fails the operation
+/// for good at once, with a stored error saying what is wrong and what the
+/// format is, logged once, instead of burning its attempts as if the
+/// handler had failed.
+fn payload_error(input: &CallInput, error: CodecError) -> HandlerError {
+    match error {
+        CodecError::Malformed { .. } | CodecError::Envelope { .. } => {
+            let message = format!(
+                "the stored payload of operation \"{}\" (id \"{}\") is not in the stored format: {error}; \
+                 payloads are stored as {{\"kind\":\"value\",\"value\":<json>}} or {{\"kind\":\"undefined\"}}, \
+                 so a row written by hand must wrap its JSON in that envelope",
+                input.operation, input.id
+            );
+            tracing::error!(
+                operation = %input.operation,
+                id = %input.id,
+                %error,
+                "stored payload is not in the stored format; the operation fails without retries"
+            );
+            HandlerError::non_retryable(message)
+        }
+        other => HandlerError::from(other),
+    }
+}
+
 fn result_of<R: DeserializeOwned>(
     row: CallRow,
     operation: &str,
 ) -> Result<OperationResult<R>, DurabilityError> {
     if row.operation != operation {
-        return Err(DurabilityError::DuplicateCall {
+        return Err(DurabilityError::OperationMismatch {
             id: row.id,
-            existing: row.operation,
+            registered: row.operation,
             requested: operation.to_owned(),
         });
     }
@@ -613,6 +668,7 @@ impl Inner {
         self: &Rc<Self>,
         id: &str,
         eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        platform: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
@@ -659,6 +715,7 @@ impl Inner {
                 generation: row.generation,
                 max_attempts: policy.max_attempts,
                 attempt_timeout_ms: policy.attempt_timeout_ms,
+                platform,
             }),
         };
         self.engine.start_execution(spec, eager_permit).await
@@ -673,7 +730,7 @@ impl Participant for Inner {
     fn run_due(
         self: Rc<Self>,
         now: EpochMs,
-        _info: Option<AlarmInfo>,
+        info: Option<AlarmInfo>,
     ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
         Box::pin(async move {
             // Covered by durability_calls_pending_idx (status, next_attempt_at).
@@ -690,7 +747,7 @@ impl Participant for Inner {
             let results = self
                 .engine
                 .run_concurrent(ids, |id| async move {
-                    let outcome = this.execute(&id, None).await;
+                    let outcome = this.execute(&id, None, info).await;
                     (id, outcome)
                 })
                 .await;
@@ -721,6 +778,7 @@ struct OperationAttempt {
     generation: String,
     max_attempts: u32,
     attempt_timeout_ms: u64,
+    platform: Option<AlarmInfo>,
 }
 
 impl AttemptKind for OperationAttempt {
@@ -763,6 +821,7 @@ impl AttemptKind for OperationAttempt {
             attempt,
             signal,
             memo,
+            platform: self.platform,
         })
     }
 

@@ -300,7 +300,10 @@ impl PolicyOptions {
     /// attempt timeout, the attempt count, the delay, then each method in
     /// the order it was added.
     pub fn validate(self) -> Result<Policies, ConfigError> {
-        self.validate_as("attempt_timeout_ms", "delay")
+        // Fields are named by the builders' setters (`attempt_timeout`,
+        // `max_attempts`, `retry_delay`) and, for a method override, by
+        // `method("name")` and the `MethodPolicy` setter.
+        self.validate_as("attempt_timeout", "retry_delay")
     }
 
     /// [`PolicyOptions::validate`], naming the timeout and the delay as the
@@ -315,13 +318,13 @@ impl PolicyOptions {
         self.delay.validate(delay_field)?;
         for (name, method) in &self.methods {
             if let Some(ms) = method.attempt_timeout_ms {
-                check_timeout(&format!("methods.{name}.attempt_timeout_ms"), ms)?;
+                check_timeout(&format!("method(\"{name}\").attempt_timeout_ms"), ms)?;
             }
             if let Some(attempts) = method.max_attempts {
-                check_attempts(&format!("methods.{name}.max_attempts"), attempts)?;
+                check_attempts(&format!("method(\"{name}\").max_attempts"), attempts)?;
             }
             if let Some(delay) = &method.delay {
-                delay.validate(&format!("methods.{name}.delay"))?;
+                delay.validate(&format!("method(\"{name}\").delay"))?;
             }
         }
         let default = AttemptPolicy {
@@ -569,7 +572,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             error.to_string(),
-            "attempt_timeout_ms must be a positive integer"
+            "attempt_timeout must be a positive integer"
         );
         let error = PolicyOptions::new().max_attempts(0).validate().unwrap_err();
         assert_eq!(error.to_string(), "max_attempts must be a positive integer");
@@ -580,7 +583,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             error.to_string(),
-            "methods.b.max_attempts must be a positive integer"
+            "method(\"b\").max_attempts must be a positive integer"
         );
     }
 
@@ -597,14 +600,14 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(
-            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "attempt_timeout_ms")
+            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "attempt_timeout")
         );
         let error = PolicyOptions::new()
             .method("slow", MethodPolicy::new().attempt_timeout_ms(u64::MAX))
             .validate()
             .unwrap_err();
         assert!(
-            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "methods.slow.attempt_timeout_ms")
+            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "method(\"slow\").attempt_timeout_ms")
         );
     }
 
@@ -616,7 +619,7 @@ mod tests {
                 .validate()
                 .unwrap_err();
             assert!(
-                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "delay.ms")
+                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "retry_delay.ms")
             );
             let error = PolicyOptions::new()
                 .method(
@@ -629,7 +632,7 @@ mod tests {
                 .validate()
                 .unwrap_err();
             assert!(
-                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "methods.m.delay.max_ms")
+                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "method(\"m\").delay.max_ms")
             );
         }
     }

@@ -2142,7 +2142,7 @@ async fn invalid_configuration_is_a_typed_error_naming_the_rule() {
         ));
         assert!(matches!(
             build(&|b| b.target("a", target().policy(MethodPolicy::new().max_attempts(0)))),
-            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "methods.a.max_attempts"
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "method(\"a\").max_attempts"
         ));
         assert!(matches!(
             build(&|b| b.target("a", target()).attempt_timeout(Duration::ZERO)),

@@ -210,14 +210,19 @@ async fn an_id_owned_by_another_operation_is_rejected_and_writes_nothing() {
             error.to_string(),
             "Durable call \"order-1\" already belongs to operation \"charge\", not \"refund\""
         );
-        // Reading under the wrong operation is rejected the same way.
+        // Reading under the wrong operation is a mismatch naming both, not
+        // a duplicate call (nothing was called twice).
+        let mismatch = ops.result::<u32>("refund", "order-1").unwrap_err();
         assert!(matches!(
-            ops.result::<u32>("refund", "order-1"),
-            Err(DurabilityError::DuplicateCall { .. })
+            &mismatch,
+            DurabilityError::OperationMismatch { id, registered, requested }
+                if (id.as_str(), registered.as_str(), requested.as_str())
+                    == ("order-1", "charge", "refund")
         ));
+        assert_eq!(mismatch.kind(), durability::ErrorKind::OperationMismatch);
         assert!(matches!(
             ops.wait::<u32>("refund", "order-1", LONG_WAIT).await,
-            Err(DurabilityError::DuplicateCall { .. })
+            Err(DurabilityError::OperationMismatch { .. })
         ));
         settle().await;
         assert_eq!(table_snapshot(&*ctx, "durability_calls"), rows);
@@ -1097,7 +1102,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::NotPositive {
-                field: "methods.op.max_attempts".into()
+                field: "method(\"op\").max_attempts".into()
             }
         );
         let error = config_error(
@@ -1154,9 +1159,9 @@ async fn invalid_options_are_typed_config_errors() {
             assert!(
                 matches!(
                     error,
-                    ConfigError::OutOfRange {
-                        min: 1_000,
-                        max: 15_000,
+                    ConfigError::DurationOutOfRange {
+                        min_ms: 1_000,
+                        max_ms: 15_000,
                         ..
                     }
                 ),
@@ -1449,7 +1454,7 @@ async fn every_setting_is_bounded_at_build_with_a_typed_error() {
             .build();
         assert_eq!(
             build_error(built).as_deref(),
-            Some("methods.op.delay.ms must be between 0 and 31536000000")
+            Some("method(\"op\").delay.ms must be between 0 and 31536000000")
         );
     })
     .await;

@@ -158,13 +158,15 @@ impl Leases {
     pub(super) fn validate(self) -> Result<LeaseConfig, ConfigError> {
         let ms = self.lease.as_millis();
         if ms == 0 || !self.lease.subsec_nanos().is_multiple_of(1_000_000) {
-            return Err(ConfigError::NotPositive {
-                field: "leases.lease (whole milliseconds)".into(),
+            return Err(ConfigError::DurationOutOfRange {
+                field: "leases.lease_for".into(),
+                min_ms: 1,
+                max_ms: MAX_TIMER_MS,
             });
         }
         if ms > u128::from(MAX_TIMER_MS) {
             return Err(ConfigError::AboveTimerLimit {
-                field: "leases.lease".into(),
+                field: "leases.lease_for".into(),
                 value_ms: u64::try_from(ms).unwrap_or(u64::MAX),
             });
         }

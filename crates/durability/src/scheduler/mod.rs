@@ -156,10 +156,10 @@ impl SchedulerBuilder {
                 .subsec_nanos()
                 .is_multiple_of(1_000_000)
         {
-            return Err(ConfigError::OutOfRange {
-                field: "alarm_min_delay (whole milliseconds)".into(),
-                min: 1_000,
-                max: 15_000,
+            return Err(ConfigError::DurationOutOfRange {
+                field: "alarm_min_delay".into(),
+                min_ms: 1_000,
+                max_ms: 15_000,
             });
         }
         let handoff_ms = self.alarm_handoff.as_millis();
