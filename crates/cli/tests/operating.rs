@@ -172,6 +172,14 @@ fn inspect_reads_a_read_only_data_directory() {
 fn logs_on_a_redirected_stderr_carry_no_colour_codes() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     data_dir_with_objects(dir.path(), 2);
+    // The old host's executor thread closes the index a moment after
+    // shutdown returns (its close checkpoints and removes the -wal); the
+    // garbage must not be overwritten by that checkpoint.
+    let wal = dir.path().join("index.sqlite-wal");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while wal.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     // Garbage in the index: the next host rebuilds it and warns.
     std::fs::write(dir.path().join("index.sqlite"), vec![7_u8; 4096])
         .unwrap_or_else(|e| panic!("{e}"));
