@@ -83,6 +83,16 @@ pub struct Stage {
 /// A case's failure: what went wrong.
 pub type Failed = String;
 
+/// Every table of an object, row by row.
+type Snapshot = Vec<(String, Vec<Vec<Sql>>)>;
+
+/// A named alarm's row: status, next attempt, attempt, last error.
+type AlarmRow = (String, i64, i64, Option<String>);
+
+/// A fanout delivery's row: message key, target, phase, attempt, next
+/// attempt, last error.
+type DeliveryState = (String, String, String, i64, i64, Option<String>);
+
 struct Cx {
     fx: Fx,
     ctx: Rc<dyn Context>,
@@ -130,7 +140,7 @@ impl Cx {
     }
 
     /// Every table of the object but the host's meta table, row by row.
-    fn snapshot(&self) -> Result<Vec<(String, Vec<Vec<Sql>>)>, Failed> {
+    fn snapshot(&self) -> Result<Snapshot, Failed> {
         let sql = self.ctx.storage();
         let tables = sql
             .query(
@@ -327,20 +337,19 @@ impl Cx {
                             )),
                         })
                         .await?;
-                    if !ended {
-                        if let Ok(OperationResult::Pending {
+                    if !ended
+                        && let Ok(OperationResult::Pending {
                             attempt,
                             next_attempt_at,
                             last_error,
                         }) = ops.result::<Value>(&operation, &id)
-                        {
-                            self.visibly_waiting(
-                                "operation",
-                                next_attempt_at,
-                                i64::from(attempt),
-                                last_error,
-                            )?;
-                        }
+                    {
+                        self.visibly_waiting(
+                            "operation",
+                            next_attempt_at,
+                            i64::from(attempt),
+                            last_error,
+                        )?;
                     }
                 }
                 Ok(Registration::Existing) => self.unchanged(&before, "start (Existing)")?,
@@ -412,23 +421,22 @@ impl Cx {
             self.fx.note(format!("schedule -> {}", short(&scheduled)));
             match scheduled {
                 Ok(()) => {
-                    let row =
-                        |cx: &Self| -> Result<Option<(String, i64, i64, Option<String>)>, Failed> {
-                            let row = cx
-                                .ctx
-                                .storage()
-                                .query_row(
-                                    "SELECT status, next_attempt_at, attempt, last_error \
+                    let row = |cx: &Self| -> Result<Option<AlarmRow>, Failed> {
+                        let row = cx
+                            .ctx
+                            .storage()
+                            .query_row(
+                                "SELECT status, next_attempt_at, attempt, last_error \
                                  FROM durability_alarms WHERE name = ?",
-                                    &params![name.as_str()],
-                                )
-                                .map_err(|e| format!("cannot read the alarm row: {e}"))?;
-                            row.map(|r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-                                .transpose()
-                                .map_err(|e: durability::platform::StorageError| {
-                                    format!("the alarm row does not decode: {e}")
-                                })
-                        };
+                                &params![name.as_str()],
+                            )
+                            .map_err(|e| format!("cannot read the alarm row: {e}"))?;
+                        row.map(|r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                            .transpose()
+                            .map_err(|e: durability::platform::StorageError| {
+                                format!("the alarm row does not decode: {e}")
+                            })
+                    };
                     let ended = self
                         .drive(|cx| {
                             Ok(match row(cx)? {
@@ -665,8 +673,15 @@ impl Cx {
                 )
                 .map_err(|e| format!("cannot read the deliveries: {e}"))?;
             for row in rows.iter() {
-                let read = || -> Result<(String, String, String, i64, i64, Option<String>), durability::platform::StorageError> {
-                    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?, row.get(4)?, row.get(5)?))
+                let read = || -> Result<DeliveryState, durability::platform::StorageError> {
+                    Ok((
+                        row.get(0)?,
+                        row.get(1)?,
+                        row.get(2)?,
+                        row.get(3)?,
+                        row.get(4)?,
+                        row.get(5)?,
+                    ))
                 };
                 let (key, target, phase, attempt, next_at, last_error) =
                     read().map_err(|e| format!("a delivery row does not decode: {e}"))?;
@@ -753,7 +768,7 @@ impl Cx {
         let mut batches = Vec::new();
         for _ in 0..self.fx.range_u64(1, 6) {
             match self.fx.below(6) {
-                0 | 1 | 2 => {
+                0..=2 => {
                     let count = if self.fx.chance(0.05) {
                         self.fx.range_u64(500, 12_000)
                     } else {
