@@ -223,8 +223,11 @@ impl HostBuilder {
         self
     }
 
-    /// Builds the host: opens the alarm index and starts the executors,
-    /// which wake every object whose indexed alarm is due.
+    /// Builds the host: opens the alarm index (rebuilding it from the object
+    /// files first when it is missing, corrupt or incomplete: see
+    /// [`Host::index_rebuild`]) and starts the executors, which wake every
+    /// object whose indexed alarm is due. A data directory too long for
+    /// SQLite is refused here ([`HostError::PathTooLong`]).
     ///
     /// With `threads(0)`, call inside a `tokio::task::LocalSet` of a tokio
     /// runtime (outside one, tokio's refusal is reported through the panic
