@@ -378,50 +378,6 @@ fn write_entry(
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn index(dir: &Path) -> AlarmIndex {
-        AlarmIndex::open(dir, Synchronous::Full, None).unwrap()
-    }
-
-    #[test]
-    fn a_deferred_update_waits_for_its_commit_to_be_durable() {
-        let dir = tempfile::tempdir().unwrap();
-        let index = index(dir.path());
-        let id = ObjectId::new("a".repeat(64));
-        index
-            .set(&id, "ns", Some(100), IndexWrite::Lowering)
-            .unwrap();
-        // Raised by commit 7, then cleared by commit 9.
-        index.defer(&id, "ns", Some(500), 7);
-        assert!(!index.apply_durable(6));
-        assert_eq!(index.get(&id).unwrap(), Some(100));
-        index.defer(&id, "ns", None, 9);
-        // Only the newest update counts, and only once 9 is durable.
-        assert!(!index.apply_durable(8));
-        assert_eq!(index.get(&id).unwrap(), Some(100));
-        assert!(index.apply_durable(9));
-        assert_eq!(index.get(&id).unwrap(), None);
-        assert!(!index.apply_durable(10));
-    }
-
-    #[test]
-    fn a_lowering_drops_the_deferred_update_it_overtakes() {
-        let dir = tempfile::tempdir().unwrap();
-        let index = index(dir.path());
-        let id = ObjectId::new("b".repeat(64));
-        index.defer(&id, "ns", Some(900), 3);
-        index
-            .set(&id, "ns", Some(50), IndexWrite::Lowering)
-            .unwrap();
-        // Commit 3 turning durable must not raise the index above 50.
-        assert!(!index.apply_durable(3));
-        assert_eq!(index.get(&id).unwrap(), Some(50));
-    }
-}
-
 /// Opens the index file, checks it is a sound index, and says whether it
 /// was completely built. Errors are SQLite's (corruption shows as
 /// `NotADatabase`/`DatabaseCorrupt`, or as [`shape_error`]).
@@ -664,4 +620,48 @@ fn read_alarm(file: &ObjectFile) -> Result<Option<IndexedAlarm>, StorageError> {
         namespace,
         at_ms,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(dir: &Path) -> AlarmIndex {
+        AlarmIndex::open(dir, Synchronous::Full, None).unwrap().0
+    }
+
+    #[test]
+    fn a_deferred_update_waits_for_its_commit_to_be_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = index(dir.path());
+        let id = ObjectId::new("a".repeat(64));
+        index
+            .set(&id, "ns", Some(100), IndexWrite::Lowering)
+            .unwrap();
+        // Raised by commit 7, then cleared by commit 9.
+        index.defer(&id, "ns", Some(500), 7);
+        assert!(!index.apply_durable(6));
+        assert_eq!(index.get(&id).unwrap(), Some(100));
+        index.defer(&id, "ns", None, 9);
+        // Only the newest update counts, and only once 9 is durable.
+        assert!(!index.apply_durable(8));
+        assert_eq!(index.get(&id).unwrap(), Some(100));
+        assert!(index.apply_durable(9));
+        assert_eq!(index.get(&id).unwrap(), None);
+        assert!(!index.apply_durable(10));
+    }
+
+    #[test]
+    fn a_lowering_drops_the_deferred_update_it_overtakes() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = index(dir.path());
+        let id = ObjectId::new("b".repeat(64));
+        index.defer(&id, "ns", Some(900), 3);
+        index
+            .set(&id, "ns", Some(50), IndexWrite::Lowering)
+            .unwrap();
+        // Commit 3 turning durable must not raise the index above 50.
+        assert!(!index.apply_durable(3));
+        assert_eq!(index.get(&id).unwrap(), Some(50));
+    }
 }
