@@ -11,7 +11,7 @@
 
 use std::rc::Rc;
 
-use durability_platform::{EpochMs, Sql, StorageError};
+use durability_platform::{EpochMs, MAX_SAFE_INTEGER, Sql, StorageError};
 use serde::de::DeserializeOwned;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
@@ -387,7 +387,8 @@ where
                 let created_at = self.engine.now();
                 let manifest = Manifest {
                     seq: store::next_seq(sql)?,
-                    remaining: i64::try_from(entry.targets.ids.len()).unwrap_or(i64::MAX),
+                    // Targets are few (validated); saturating keeps the bound integer safe.
+                    remaining: i64::try_from(entry.targets.ids.len()).unwrap_or(MAX_SAFE_INTEGER),
                     targets: entry.targets.json.clone(),
                     key: entry.key,
                     id: entry.id,

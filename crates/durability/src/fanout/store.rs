@@ -377,8 +377,10 @@ pub(crate) fn list_due(
     Ok(due)
 }
 
+/// A LIMIT parameter; -1 is SQLite's "no limit" (a larger integer would not
+/// bind on every platform: JavaScript numbers stop at 2^53).
 fn limit_param(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
+    i64::try_from(limit).unwrap_or(-1)
 }
 
 /// The delivery row `id` (primary key).
