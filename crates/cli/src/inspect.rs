@@ -3,7 +3,12 @@
 //!
 //! It reads the files through `durability_host::inspect`, which opens them
 //! read-only and never constructs an object, so inspecting a directory that
-//! a running host serves changes nothing in it.
+//! a running host serves changes nothing in it, and a read-only data
+//! directory (a mounted backup) can be listed.
+//!
+//! Exit code: non-zero when the directory is not a data directory (none of
+//! `objects/`, `index.sqlite`, `host.lock` in it) or when any object file
+//! could not be read; the listing is printed first either way.
 
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -33,6 +38,17 @@ pub enum InspectError {
         #[source]
         source: durability_host::HostError,
     },
+    #[error(
+        "{} is not a durability data directory: it holds none of objects/, index.sqlite, host.lock",
+        dir.display()
+    )]
+    NotADataDir { dir: PathBuf },
+    #[error("{unreadable} of {total} object files in {} could not be read (see the listing)", dir.display())]
+    Unreadable {
+        dir: PathBuf,
+        unreadable: usize,
+        total: usize,
+    },
     #[error("cannot encode the listing as JSON")]
     Json {
         #[source]
@@ -46,21 +62,52 @@ const TABLE_NAME_CHARS: usize = 40;
 /// Id digits shown in the table: enough to tell objects apart by eye.
 const TABLE_ID_CHARS: usize = 12;
 
+/// What `durability inspect` prints, and why it fails after printing it.
+pub struct Listing {
+    pub text: String,
+    pub problem: Option<InspectError>,
+}
+
 /// Runs `durability inspect` and returns what to print.
-pub fn run(args: &InspectArgs) -> Result<String, InspectError> {
+pub fn run(args: &InspectArgs) -> Result<Listing, InspectError> {
     let objects = list_objects(&args.dir).map_err(|source| InspectError::List {
         dir: args.dir.clone(),
         source,
     })?;
-    if args.json {
+    if objects.is_empty() && !is_data_dir(&args.dir) {
+        return Err(InspectError::NotADataDir {
+            dir: args.dir.clone(),
+        });
+    }
+    let text = if args.json {
         let listing = json!({
             "data_dir": args.dir.display().to_string(),
             "objects": objects,
         });
-        serde_json::to_string_pretty(&listing).map_err(|source| InspectError::Json { source })
+        serde_json::to_string_pretty(&listing).map_err(|source| InspectError::Json { source })?
     } else {
-        Ok(render(&args.dir, &objects, now_ms()))
-    }
+        render(&args.dir, &objects, now_ms())
+    };
+    let unreadable = objects.iter().filter(|o| o.error.is_some()).count();
+    Ok(Listing {
+        text,
+        problem: (unreadable > 0).then(|| InspectError::Unreadable {
+            dir: args.dir.clone(),
+            unreadable,
+            total: objects.len(),
+        }),
+    })
+}
+
+/// Whether `dir` holds what a host leaves in a data directory.
+fn is_data_dir(dir: &std::path::Path) -> bool {
+    [
+        "objects",
+        durability_host::INDEX_FILE,
+        durability_host::DATA_DIR_LOCK_FILE,
+    ]
+    .iter()
+    .any(|name| dir.join(name).exists())
 }
 
 fn render(dir: &std::path::Path, objects: &[ObjectSummary], now_ms: i64) -> String {

@@ -9,11 +9,12 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod inspect;
 mod torture;
 
 use std::error::Error as _;
-use std::io::Write as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +43,14 @@ enum Command {
     /// Kill a workload's process with SIGKILL again and again, then check
     /// that every guarantee held; exits non-zero on any violation.
     Torture(torture::TortureArgs),
+    /// Random and adversarial inputs against every capability's public API
+    /// and malformed rows in their tables; exits non-zero on any panic,
+    /// abort, hang, write by a rejected call, or accepted work that never
+    /// ends visibly.
+    Fuzz(fuzz::FuzzArgs),
+    /// One process of fuzz cases (started by `fuzz`).
+    #[command(hide = true)]
+    FuzzChild(fuzz::ChildArgs),
     /// One life of a torture workload (started and killed by `torture`).
     #[command(hide = true)]
     TortureChild(torture::ChildArgs),
@@ -59,22 +68,56 @@ enum CliError {
     Bench(#[from] bench::BenchError),
     #[error(transparent)]
     Torture(#[from] torture::TortureError),
+    #[error(transparent)]
+    Fuzz(#[from] fuzz::FuzzError),
 }
 
 fn main() -> ExitCode {
+    ignore_sigxfsz();
     // Logs go to stderr so that `--json` output on stdout stays parseable.
     // Quiet by default; RUST_LOG=info (or debug) shows the host's lifecycle.
+    // Colour only on a terminal: redirected logs stay plain text.
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 
     let cli = Cli::parse();
     let outcome: Result<String, CliError> = match cli.command {
-        Command::Demo(args) => demo::run(&args).map_err(CliError::from),
-        Command::Inspect(args) => inspect::run(&args).map_err(CliError::from),
+        // The summary is printed whatever it says; a loss also fails the run.
+        Command::Demo(args) => {
+            return match demo::run(&args) {
+                Ok(demo::DemoOutput { text, lost: None }) => print(&text),
+                Ok(demo::DemoOutput {
+                    text,
+                    lost: Some(lost),
+                }) => {
+                    print(&text);
+                    fail(&CliError::from(lost))
+                }
+                Err(error) => fail(&CliError::from(error)),
+            };
+        }
+        // The listing is printed, then any unreadable object fails the run.
+        Command::Inspect(args) => {
+            return match inspect::run(&args) {
+                Ok(inspect::Listing {
+                    text,
+                    problem: None,
+                }) => print(&text),
+                Ok(inspect::Listing {
+                    text,
+                    problem: Some(problem),
+                }) => {
+                    print(&text);
+                    fail(&CliError::from(problem))
+                }
+                Err(error) => fail(&CliError::from(error)),
+            };
+        }
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
         // A torture verdict is printed whether it passed or not; the exit
         // code says which.
@@ -88,6 +131,20 @@ fn main() -> ExitCode {
                 Err(error) => fail(&CliError::from(error)),
             };
         }
+        // Like torture: the report is printed whether it passed or not.
+        Command::Fuzz(args) => {
+            return match fuzz::run(&args) {
+                Ok((text, true)) => print(&text),
+                Ok((text, false)) => {
+                    print(&text);
+                    ExitCode::FAILURE
+                }
+                Err(error) => fail(&CliError::from(error)),
+            };
+        }
+        Command::FuzzChild(args) => {
+            return fuzz::run_child(&args).unwrap_or_else(|error| fail(&CliError::from(error)));
+        }
         Command::TortureChild(args) => {
             return torture::run_child(&args).unwrap_or_else(|error| fail(&CliError::from(error)));
         }
@@ -95,6 +152,18 @@ fn main() -> ExitCode {
     match outcome {
         Ok(text) => print(&text),
         Err(error) => fail(&error),
+    }
+}
+
+/// A write beyond the file-size limit (`ulimit -f`) raises SIGXFSZ, whose
+/// default action kills the process without a word. Ignored, the write
+/// fails with EFBIG instead, which SQLite and std report as errors that
+/// reach the user as typed, printed failures.
+fn ignore_sigxfsz() {
+    // SAFETY: sets the disposition of one signal to SIG_IGN before any other
+    // thread exists; no handler code runs.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
 }
 

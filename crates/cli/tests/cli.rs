@@ -147,8 +147,22 @@ fn a_second_demo_run_starts_the_next_run_on_the_same_directory() {
 }
 
 #[test]
-fn inspect_of_an_empty_directory_lists_nothing() {
+fn inspect_of_a_directory_that_holds_no_data_directory_fails() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = durability(&["inspect", path_arg(dir.path()), "--json"]);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("is not a durability data directory"),
+        "stderr: {stderr}"
+    );
+}
+
+#[test]
+fn inspect_of_a_data_directory_without_objects_lists_nothing() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    // What a host that served no object leaves behind.
+    std::fs::write(dir.path().join("host.lock"), b"").unwrap_or_else(|e| panic!("{e}"));
     let output = durability(&["inspect", path_arg(dir.path()), "--json"]);
     assert!(succeeded(&output));
     assert_eq!(json_of(&output.stdout)["objects"], Value::Array(Vec::new()));

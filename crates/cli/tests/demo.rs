@@ -191,3 +191,67 @@ fn a_zero_message_run_is_refused_before_anything_is_written() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("--messages"));
     assert!(!data.exists());
 }
+
+#[test]
+fn a_second_demo_on_a_busy_directory_fails_on_the_lock_before_saying_anything_else() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let mut paused = start_paused(dir.path(), "2000", "2", "2");
+    // Another plan, so a resume would have had something to say about it.
+    let second = demo(dir.path(), &["--messages", "500", "--shards", "3"]);
+    paused
+        .child
+        .kill()
+        .unwrap_or_else(|error| panic!("cannot kill the demo: {error}"));
+    let _ = paused.child.wait();
+    assert!(!second.status.success(), "{}", show(&second));
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(stderr.contains("in use by another host"), "{stderr}");
+    assert!(
+        !stderr.contains("resum") && !stderr.contains("interrupted"),
+        "a false resume line: {stderr}"
+    );
+    assert!(!dir.path().join("runs/2").exists());
+}
+
+#[test]
+fn a_run_that_lost_messages_says_which_and_exits_non_zero() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let mut paused = start_paused(dir.path(), "1000", "1", "2");
+    // Wait until the inbox has delivered (and acked) some mail.
+    let inbox = dir.path().join("runs/1/inbox.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::fs::metadata(&inbox).map_or(0, |m| m.len()) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no inbox delivery within a minute"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // A journaled delivery is acked a moment later (a kill in between
+    // redelivers it); the paused run has only two batches to settle.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    paused
+        .child
+        .kill()
+        .unwrap_or_else(|error| panic!("cannot kill the demo: {error}"));
+    let _ = paused.child.wait();
+    // The proof of those deliveries is gone: the fanout acked them, so
+    // nothing delivers them again, and the accounting finds no end.
+    std::fs::write(&inbox, b"").unwrap_or_else(|e| panic!("{e}"));
+
+    let resumed = demo(dir.path(), &["--messages", "1000", "--shards", "1"]);
+    assert!(!resumed.status.success(), "{}", show(&resumed));
+    let summary: Value = serde_json::from_slice(&resumed.stdout)
+        .unwrap_or_else(|e| panic!("the summary is still printed ({e}): {}", show(&resumed)));
+    let lost = count(&summary, "lost");
+    assert!(lost > 0, "{summary:#}");
+    let stderr = String::from_utf8_lossy(&resumed.stderr);
+    assert!(
+        stderr.contains("reached no end") && stderr.contains("on inbox"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("every accepted message reached its end"),
+        "{stderr}"
+    );
+}

@@ -3008,3 +3008,79 @@ async fn a_backlog_acked_on_return_goes_in_bounded_ordered_batches_each_claimed_
     })
     .await;
 }
+
+/// Found by `durability fuzz` (seed 2, case 2807): damaged fanout rows (in
+/// the layout of then, a manifest whose `remaining` was i64::MIN; here a
+/// cursor of the wrong type, and a sequence row of the wrong types) made
+/// every pass fail while each commit re-armed the
+/// in-memory timer for the still-due work: the scheduler looped at full
+/// speed without time moving. A failed run now holds the timer back until
+/// its fallback alarm.
+#[tokio::test(start_paused = true)]
+async fn a_pass_that_keeps_failing_on_damaged_rows_retries_at_the_fallback_pace() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let runs = Rc::new(Cell::new(0u32));
+        let runaway = Rc::new(tokio::sync::Notify::new());
+        let failed_run = {
+            let (runs, runaway) = (Rc::clone(&runs), Rc::clone(&runaway));
+            Rc::new(move |_: &durability::AlarmRetryInfo| {
+                runs.set(runs.get() + 1);
+                if runs.get() > 500 {
+                    runaway.notify_one();
+                }
+                None
+            })
+        };
+        let scheduler = Scheduler::builder(h.context())
+            .on_alarm_retry(failed_run)
+            .build()
+            .unwrap();
+        h.install(&scheduler);
+        let target = Target::consumer(|_batch: Vec<FanoutMessage<serde_json::Value>>| async {
+            Ok::<_, HandlerError>(())
+        })
+        .ack_on_return(true);
+        let fanout = Fanout::<serde_json::Value>::builder(&scheduler)
+            .target("inbox", target)
+            .build()
+            .unwrap();
+        let input = FanoutInput::new(serde_json::json!({"n": 1})).id("m-1");
+        accepted(fanout.enqueue(vec![input], &EnqueueOptions::all()).await);
+        let sql = ctx.storage();
+        let _ = sql.execute(
+            "UPDATE durability_fanout_parked SET target_id = ?",
+            &[durability::platform::Value::Blob(vec![0, 159, 146, 150])],
+        );
+        let _ = sql.execute(
+            "INSERT INTO durability_fanout_seq VALUES (?, ?)",
+            &params![i64::MIN, 1.5],
+        );
+        // In the cursor layout (migration 0013) the damage that fails every
+        // pass is a target cursor of the wrong type.
+        sql.execute("UPDATE durability_fanout_cursors SET next_seq = 1.5", &[])
+            .unwrap();
+        let drive = async {
+            for round in 0..6u32 {
+                let _ = scheduler.alarm(None).await;
+                tokio::time::sleep(Duration::from_secs(4u64.pow(round))).await;
+            }
+        };
+        tokio::select! {
+            () = runaway.notified() => panic!(
+                "{} failed runs without time moving: a hot loop",
+                runs.get()
+            ),
+            () = drive => {}
+        }
+        // 1,365 s of driving: six direct runs, then at most the timer and the
+        // physical alarm once per 15 s fallback.
+        assert!(
+            runs.get() <= 6 + 2 * (1_365 / 15) + 10,
+            "{} failed runs",
+            runs.get()
+        );
+        assert!(runs.get() >= 2, "the damaged work is still retried");
+    })
+    .await;
+}

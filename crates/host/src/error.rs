@@ -59,6 +59,31 @@ pub enum HostError {
         /// The lock file the other host holds.
         lock: PathBuf,
     },
+    /// The host's alarm index (`index.sqlite` in the data directory) could
+    /// not be opened or rebuilt for a reason other than damage (a damaged
+    /// index is rebuilt from the object files, not an error).
+    #[error("the alarm index {path} cannot be used: {source}")]
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What SQLite or the file system said.
+        #[source]
+        source: StorageError,
+    },
+    /// The data directory's path is too long for SQLite: the object files
+    /// under it could not be opened. Checked once, when the host starts.
+    #[error(
+        "the data directory {path} is too long for SQLite: its object files would have paths of \
+         {object_path_bytes} bytes, and SQLite opens at most {limit_bytes} bytes; use a shorter path"
+    )]
+    PathTooLong {
+        /// The data directory, made absolute.
+        path: PathBuf,
+        /// The length of the longest path the host would open under it.
+        object_path_bytes: usize,
+        /// The longest path SQLite opens.
+        limit_bytes: usize,
+    },
     /// The host's alarm index or an object's database failed.
     #[error(transparent)]
     Storage(#[from] StorageError),

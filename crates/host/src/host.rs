@@ -19,7 +19,7 @@ use crate::context::ObjectContext;
 use crate::executor::{self, Constructor, ErasedObject, Job, Reply};
 use crate::flush::{self, FlushMethod, Flusher, GroupCommit};
 use crate::id::{executor_of, object_id, object_path, validate_name};
-use crate::index::{AlarmIndex, IndexedAlarm};
+use crate::index::{AlarmIndex, IndexRebuild, IndexedAlarm};
 use crate::residency::{Residency, default_max_live_objects};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
@@ -120,6 +120,7 @@ struct HostShared {
     core: Arc<HostCore>,
     executors: Vec<mpsc::UnboundedSender<Job>>,
     shutdown_grace: Duration,
+    rebuild: Option<IndexRebuild>,
     /// The settings this host was built with, for [`Host::restart`].
     #[cfg(feature = "testing")]
     builder: HostBuilder,
@@ -285,8 +286,11 @@ impl HostBuilder {
         self
     }
 
-    /// Builds the host: opens the alarm index and starts the executors,
-    /// which wake every object whose indexed alarm is due.
+    /// Builds the host: opens the alarm index (rebuilding it from the object
+    /// files first when it is missing, corrupt or incomplete: see
+    /// [`Host::index_rebuild`]) and starts the executors, which wake every
+    /// object whose indexed alarm is due. A data directory too long for
+    /// SQLite is refused here ([`HostError::PathTooLong`]).
     ///
     /// With `threads(0)`, call inside a `tokio::task::LocalSet` of a tokio
     /// runtime (outside one, tokio's refusal is reported through the panic
@@ -360,13 +364,18 @@ impl HostBuilder {
             }
             None => None,
         };
+        check_path_length(&self.data_dir)?;
         let lock = lock_data_dir(&self.data_dir)?;
-        let index = Arc::new(AlarmIndex::open(
+        let (index, rebuild) = AlarmIndex::open(
             &self.data_dir,
             self.synchronous.index_lowering(),
             images.as_ref().map(|(_, lock)| Arc::clone(lock)),
-        )?);
-        let alarms = index.all()?;
+        )?;
+        let index = Arc::new(index);
+        let alarms = index.all().map_err(|source| HostError::Index {
+            path: self.data_dir.join(crate::index::INDEX_FILE),
+            source,
+        })?;
         let group = (self.synchronous == Synchronous::Batched).then(|| {
             GroupCommit::new(
                 &self.data_dir,
@@ -412,6 +421,7 @@ impl HostBuilder {
                 core,
                 executors,
                 shutdown_grace: self.shutdown_grace,
+                rebuild,
                 #[cfg(feature = "testing")]
                 builder,
             }),
@@ -419,6 +429,35 @@ impl HostBuilder {
         host.load_alarms(alarms);
         Ok(host)
     }
+}
+
+/// The longest path SQLite's unix VFS opens (its `mxPathname`), in bytes.
+pub const SQLITE_MAX_PATH_BYTES: usize = 512;
+
+/// What an object file's path adds to the data directory, plus the 8 bytes
+/// SQLite reserves after a database path for its `-journal` name (it
+/// refuses a database whose path + 8 exceeds its limit):
+/// `/objects/xx/<64 hex digits>.sqlite-journal`.
+const OBJECT_PATH_SUFFIX_BYTES: usize = "/objects/xx/".len() + 64 + ".sqlite-journal".len();
+
+/// Refuses, once and before anything is opened, a data directory whose
+/// object files SQLite could not open: otherwise every object would fail
+/// on its own with a bare "unable to open database file".
+fn check_path_length(data_dir: &Path) -> Result<(), HostError> {
+    // SQLite makes every path absolute and resolves symbolic links first.
+    let full = std::fs::canonicalize(data_dir).map_err(|e| HostError::Io {
+        path: data_dir.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let object_path_bytes = full.as_os_str().len() + OBJECT_PATH_SUFFIX_BYTES;
+    if object_path_bytes > SQLITE_MAX_PATH_BYTES {
+        return Err(HostError::PathTooLong {
+            path: full,
+            object_path_bytes,
+            limit_bytes: SQLITE_MAX_PATH_BYTES,
+        });
+    }
+    Ok(())
 }
 
 /// The file in a data directory that the serving host holds an exclusive
@@ -601,6 +640,13 @@ impl Host {
     /// [`HostBuilder::max_live_objects`], except while a deadlock is broken.
     pub fn live_objects(&self) -> usize {
         self.shared.core.residency.live()
+    }
+
+    /// What the rebuild of the alarm index found, if this host rebuilt it
+    /// when it started (the index was missing, corrupt or incomplete; the
+    /// object files are the truth). `None` when the index was sound.
+    pub fn index_rebuild(&self) -> Option<&IndexRebuild> {
+        self.shared.rebuild.as_ref()
     }
 
     /// The data directory.

@@ -19,16 +19,96 @@
 //! object's commit, and the alarm in the file would be missed. A lowering
 //! still goes first and synced, and drops the deferred update of its object
 //! (the newer commit will defer its own).
+//!
+//! The index is derived data: the object files are the truth. When the
+//! host starts and `index.sqlite` is missing, is not a database, fails
+//! SQLite's `quick_check`, has another shape, or was never completely built
+//! (its `user_version` is not [`BUILT_VERSION`], which also covers a crash
+//! in the middle of a rebuild and an index written by an older release),
+//! the host rebuilds it from the object files before it loads any alarm: a
+//! damaged file is moved aside to `index.sqlite.corrupt` (with its `-wal`),
+//! every object file is read (read-only, no object constructed) and one
+//! transaction writes every armed alarm and the `user_version`. A `tracing`
+//! warning gives the reason and the counts, and [`IndexRebuild`] reports
+//! them to the caller. Any other failure to open the index (permissions,
+//! I/O, a directory in its place) fails the start, naming the file.
+//!
+//! Not detected: an index that is a valid, complete database but lost
+//! entries because someone deleted its `-wal` file by hand. Such an alarm
+//! still fires, but only once its object is next constructed (the object's
+//! open makes the index exact again).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use durability_platform::{EpochMs, ObjectId, StorageError};
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params};
 
-use crate::Synchronous;
 use crate::error::storage_error;
+use crate::id::{is_object_id, objects_dir};
+use crate::storage::{ALARM_TABLE, META_TABLE};
+use crate::{HostError, Synchronous};
+
+/// The index file's name inside a data directory.
+pub const INDEX_FILE: &str = "index.sqlite";
+const INDEX_FILE_WAL: &str = "index.sqlite-wal";
+
+/// The `user_version` a completely built index carries. It is written in
+/// the same transaction as the rebuilt rows, so an index without it was
+/// never completely built.
+pub const BUILT_VERSION: i64 = 1;
+
+const SCHEMA_SQL: &str = "CREATE TABLE IF NOT EXISTS alarms (
+     id TEXT PRIMARY KEY,
+     namespace TEXT NOT NULL,
+     at_ms INTEGER NOT NULL
+ ) WITHOUT ROWID;";
+
+/// Why the host rebuilt its alarm index at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RebuildReason {
+    /// There was no `index.sqlite` (deleted, or a data directory that
+    /// holds object files but never had an index).
+    Missing,
+    /// `index.sqlite` was not a readable index (garbage, corruption, wrong
+    /// shape); it was moved aside to `index.sqlite.corrupt`.
+    Corrupt,
+    /// The index was never completely built: a rebuild was interrupted, or
+    /// an older release wrote it.
+    Incomplete,
+}
+
+impl RebuildReason {
+    fn describe(self) -> &'static str {
+        match self {
+            RebuildReason::Missing => "the alarm index is missing",
+            RebuildReason::Corrupt => {
+                "the alarm index is corrupt (moved aside to index.sqlite.corrupt)"
+            }
+            RebuildReason::Incomplete => "the alarm index was never completely built",
+        }
+    }
+}
+
+/// What a rebuild of the alarm index found; see [`crate::Host::index_rebuild`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IndexRebuild {
+    /// Why the index was rebuilt.
+    pub reason: RebuildReason,
+    /// Object files read.
+    pub objects: u64,
+    /// Armed alarms found in them (now in the index).
+    pub alarms: u64,
+    /// Object files that could not be read; their alarm, if any, is indexed
+    /// again when the object is next constructed (which reports the error).
+    pub unreadable: u64,
+    /// How long the rebuild took.
+    pub elapsed: Duration,
+}
 
 /// One indexed alarm.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,39 +151,70 @@ pub(crate) enum IndexWrite {
 }
 
 impl AlarmIndex {
-    /// Opens (or creates) the index of `data_dir`.
+    /// Opens the index of `data_dir`, rebuilding it from the object files
+    /// when it is missing, corrupt or incomplete (see the module docs).
     /// `synchronous` is the setting of lowering writes; `files` is the
     /// sync images' lock, when images are taken.
     pub(crate) fn open(
         data_dir: &Path,
         synchronous: Synchronous,
         files: Option<std::sync::Arc<RwLock<()>>>,
-    ) -> Result<Self, StorageError> {
-        let conn = Connection::open(data_dir.join("index.sqlite")).map_err(storage_error)?;
-        conn.pragma_update(None, "journal_mode", "WAL")
-            .map_err(storage_error)?;
-        conn.pragma_update(None, "synchronous", synchronous.pragma())
-            .map_err(storage_error)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))
-            .map_err(storage_error)?;
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS alarms (
-                 id TEXT PRIMARY KEY,
-                 namespace TEXT NOT NULL,
-                 at_ms INTEGER NOT NULL
-             ) WITHOUT ROWID;",
-        )
-        .map_err(storage_error)?;
-        Ok(AlarmIndex {
+    ) -> Result<(Self, Option<IndexRebuild>), HostError> {
+        let path = data_dir.join(INDEX_FILE);
+        let index_error = |source: StorageError| HostError::Index {
+            path: path.clone(),
+            source,
+        };
+        let existed = path.exists();
+        let (conn, reason) = match open_checked(&path, synchronous) {
+            Ok((conn, true)) => (conn, None),
+            Ok((conn, false)) => (
+                conn,
+                Some(if existed {
+                    RebuildReason::Incomplete
+                } else {
+                    RebuildReason::Missing
+                }),
+            ),
+            Err(error) if is_corruption(&error) => {
+                move_aside(&path).map_err(|e| HostError::Io {
+                    path: path.clone(),
+                    message: format!("cannot move the corrupt alarm index aside: {e}"),
+                })?;
+                let (conn, _) =
+                    open_checked(&path, synchronous).map_err(|e| index_error(storage_error(e)))?;
+                (conn, Some(RebuildReason::Corrupt))
+            }
+            Err(error) => return Err(index_error(storage_error(error))),
+        };
+        let rebuild = match reason {
+            Some(reason) => Some(rebuild(&conn, data_dir, reason).map_err(index_error)?),
+            None => None,
+        };
+        if let Some(done) = &rebuild
+            && (done.reason != RebuildReason::Missing || done.objects > 0)
+        {
+            tracing::warn!(
+                index = %path.display(),
+                objects = done.objects,
+                alarms = done.alarms,
+                unreadable = done.unreadable,
+                elapsed_ms = done.elapsed.as_millis(),
+                "{}; rebuilt it from the object files",
+                done.reason.describe()
+            );
+        }
+        let index = AlarmIndex {
             conn: Mutex::new(IndexConnection {
                 conn,
                 current: synchronous,
                 deferred: HashMap::new(),
             }),
             synchronous,
-            wal: data_dir.join("index.sqlite-wal"),
+            wal: data_dir.join(INDEX_FILE_WAL),
             files,
-        })
+        };
+        Ok((index, rebuild))
     }
 
     /// The index's WAL file (the flusher syncs it after deferred updates).
@@ -267,12 +378,256 @@ fn write_entry(
     Ok(())
 }
 
+/// Opens the index file, checks it is a sound index, and says whether it
+/// was completely built. Errors are SQLite's (corruption shows as
+/// `NotADatabase`/`DatabaseCorrupt`, or as [`shape_error`]).
+fn open_checked(path: &Path, synchronous: Synchronous) -> rusqlite::Result<(Connection, bool)> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", synchronous.pragma())?;
+    let check: String = conn.query_row("PRAGMA quick_check", [], |row| row.get(0))?;
+    if check != "ok" {
+        return Err(shape_error(format!("quick_check: {check}")));
+    }
+    conn.execute_batch(SCHEMA_SQL)?;
+    // The columns the host reads, with the types it reads: a table of
+    // another shape is a damaged index, not a start-up failure.
+    let bad_rows: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM alarms WHERE typeof(id) != 'text' OR length(id) != 64 \
+             OR typeof(namespace) != 'text' OR typeof(at_ms) != 'integer'",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(|e| shape_error(format!("the alarms table cannot be read: {e}")))?;
+    if bad_rows > 0 {
+        return Err(shape_error(format!("{bad_rows} rows of the wrong types")));
+    }
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    Ok((conn, version == BUILT_VERSION))
+}
+
+/// An index that opens but is not one the host wrote.
+fn shape_error(message: String) -> rusqlite::Error {
+    rusqlite::Error::SqliteFailure(
+        rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CORRUPT),
+        Some(format!("not a durability alarm index: {message}")),
+    )
+}
+
+fn is_corruption(error: &rusqlite::Error) -> bool {
+    matches!(
+        error.sqlite_error_code(),
+        Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt)
+    )
+}
+
+/// Moves a corrupt index (and its WAL) to `index.sqlite.corrupt`, replacing
+/// an earlier one, and drops its shared-memory file.
+fn move_aside(path: &Path) -> std::io::Result<()> {
+    let with = |suffix: &str| {
+        let mut name = path.as_os_str().to_owned();
+        name.push(suffix);
+        PathBuf::from(name)
+    };
+    for (from, to) in [("", ".corrupt"), ("-wal", ".corrupt-wal")] {
+        match std::fs::rename(with(from), with(to)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // No WAL: make sure an older one cannot pair with the new copy.
+                if !from.is_empty() {
+                    remove_if_present(&with(to))?;
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    remove_if_present(&with("-shm"))
+}
+
+fn remove_if_present(path: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Reads every object file and writes the index again in one transaction.
+fn rebuild(
+    conn: &Connection,
+    data_dir: &Path,
+    reason: RebuildReason,
+) -> Result<IndexRebuild, StorageError> {
+    let started = Instant::now();
+    let files = object_files(data_dir)?;
+    let found = read_alarms(&files);
+    let mut done = IndexRebuild {
+        reason,
+        objects: files.len() as u64,
+        alarms: 0,
+        unreadable: 0,
+        elapsed: Duration::ZERO,
+    };
+    let txn = conn.unchecked_transaction().map_err(storage_error)?;
+    txn.execute("DELETE FROM alarms", [])
+        .map_err(storage_error)?;
+    {
+        let mut insert = txn
+            .prepare("INSERT OR REPLACE INTO alarms (id, namespace, at_ms) VALUES (?1, ?2, ?3)")
+            .map_err(storage_error)?;
+        for (file, result) in files.iter().zip(found) {
+            match result {
+                Ok(Some(alarm)) => {
+                    insert
+                        .execute(params![alarm.id.as_str(), alarm.namespace, alarm.at_ms])
+                        .map_err(storage_error)?;
+                    done.alarms += 1;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    done.unreadable += 1;
+                    tracing::warn!(
+                        file = %file.path.display(),
+                        %error,
+                        "rebuilding the alarm index: cannot read this object file; \
+                         its alarm is indexed when the object is next constructed"
+                    );
+                }
+            }
+        }
+    }
+    txn.pragma_update(None, "user_version", BUILT_VERSION)
+        .map_err(storage_error)?;
+    txn.commit().map_err(storage_error)?;
+    done.elapsed = started.elapsed();
+    Ok(done)
+}
+
+/// One object file found under `objects/`.
+struct ObjectFile {
+    id: String,
+    path: PathBuf,
+}
+
+/// Every object file of `data_dir` (names that are not object ids are
+/// skipped, as the host never makes them).
+fn object_files(data_dir: &Path) -> Result<Vec<ObjectFile>, StorageError> {
+    let io = |path: &Path, e: std::io::Error| StorageError::Unavailable {
+        message: format!("cannot list {}: {e}", path.display()),
+    };
+    let objects = objects_dir(data_dir);
+    let shards = match std::fs::read_dir(&objects) {
+        Ok(shards) => shards,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(&objects, e)),
+    };
+    let mut files = Vec::new();
+    for shard in shards {
+        let shard = shard.map_err(|e| io(&objects, e))?.path();
+        if !shard.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(&shard).map_err(|e| io(&shard, e))? {
+            let path = file.map_err(|e| io(&shard, e))?.path();
+            let id = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".sqlite"))
+                .filter(|id| is_object_id(id))
+                .map(str::to_owned);
+            if let Some(id) = id {
+                files.push(ObjectFile { id, path });
+            }
+        }
+    }
+    Ok(files)
+}
+
+/// Reads the alarm of every file, on as many threads as the machine has
+/// cores (each read is an open, two point queries and a close).
+fn read_alarms(files: &[ObjectFile]) -> Vec<Result<Option<IndexedAlarm>, StorageError>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, std::num::NonZeroUsize::get)
+        .clamp(1, 8);
+    let chunk = files.len().div_ceil(threads).max(1);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = files
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || part.iter().map(read_alarm).collect::<Vec<_>>()))
+            .collect();
+        workers
+            .into_iter()
+            .zip(files.chunks(chunk))
+            .flat_map(|(worker, part)| {
+                worker.join().unwrap_or_else(|_| {
+                    part.iter()
+                        .map(|_| {
+                            Err(StorageError::Unavailable {
+                                message: "the thread reading this object file panicked".into(),
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .collect()
+    })
+}
+
+/// The alarm recorded in one object file, with the namespace it belongs to.
+fn read_alarm(file: &ObjectFile) -> Result<Option<IndexedAlarm>, StorageError> {
+    let conn = Connection::open_with_flags(
+        &file.path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(storage_error)?;
+    // A file created but never set up (a crash between the two) has no
+    // host tables and no alarm.
+    let has_alarm_table: bool = conn
+        .query_row(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
+            params![ALARM_TABLE],
+            |row| row.get(0),
+        )
+        .map_err(storage_error)?;
+    if !has_alarm_table {
+        return Ok(None);
+    }
+    let at_ms: Option<i64> = conn
+        .query_row(
+            &format!("SELECT at_ms FROM {ALARM_TABLE} WHERE slot = 0"),
+            [],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(storage_error)?;
+    let Some(at_ms) = at_ms else {
+        return Ok(None);
+    };
+    let namespace: Option<String> = conn
+        .query_row(
+            &format!("SELECT value FROM {META_TABLE} WHERE key = 'namespace'"),
+            [],
+            |row| row.get(0),
+        )
+        .optional()
+        .map_err(storage_error)?;
+    let namespace = namespace.ok_or_else(|| StorageError::Corrupt {
+        message: "the file has an alarm but records no namespace".into(),
+    })?;
+    Ok(Some(IndexedAlarm {
+        id: ObjectId::new(file.id.clone()),
+        namespace,
+        at_ms,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn index(dir: &Path) -> AlarmIndex {
-        AlarmIndex::open(dir, Synchronous::Full, None).unwrap()
+        AlarmIndex::open(dir, Synchronous::Full, None).unwrap().0
     }
 
     #[test]

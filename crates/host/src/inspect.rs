@@ -4,10 +4,18 @@
 //! listing a directory that a running host serves changes nothing. A file
 //! that cannot be read becomes an entry with an `error`, never a failure of
 //! the whole listing.
+//!
+//! A read-only directory (a mounted backup, another user's files): SQLite
+//! cannot open a WAL database read-only when it would have to create the
+//! `-shm` file. Then, if the file has no write-ahead log (or an empty one),
+//! it is opened `immutable`, which needs no lock and no `-shm` and misses
+//! nothing. A file whose non-empty `-wal` cannot be read that way is an
+//! entry with an error (reading it immutable would silently show its state
+//! before the log): copy the directory somewhere writable to read it.
 
 use std::path::Path;
 
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Serialize;
 
 use crate::HostError;
@@ -109,6 +117,52 @@ fn read_into(path: &Path, summary: &mut ObjectSummary) -> rusqlite::Result<()> {
         path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )?;
+    match read_tables(&conn, summary) {
+        Err(error) if cannot_open_read_only(&error) && !has_wal_frames(path) => {
+            summary.tables.clear();
+            read_tables(&open_immutable(path)?, summary)
+        }
+        other => other,
+    }
+}
+
+/// The errors SQLite gives for a WAL database in a directory it cannot write.
+fn cannot_open_read_only(error: &rusqlite::Error) -> bool {
+    matches!(
+        error.sqlite_error_code(),
+        Some(ErrorCode::ReadOnly | ErrorCode::CannotOpen)
+    )
+}
+
+/// Whether the file's `-wal` exists and holds anything.
+fn has_wal_frames(path: &Path) -> bool {
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::metadata(wal).is_ok_and(|m| m.len() > 0)
+}
+
+/// Opens `path` with SQLite's `immutable` URI parameter: no lock, no
+/// `-shm`, no look at a `-wal`.
+fn open_immutable(path: &Path) -> rusqlite::Result<Connection> {
+    let mut uri = String::from("file:");
+    for c in path.to_string_lossy().chars() {
+        match c {
+            '%' => uri.push_str("%25"),
+            '?' => uri.push_str("%3f"),
+            '#' => uri.push_str("%23"),
+            c => uri.push(c),
+        }
+    }
+    uri.push_str("?immutable=1");
+    Connection::open_with_flags(
+        uri,
+        OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI,
+    )
+}
+
+fn read_tables(conn: &Connection, summary: &mut ObjectSummary) -> rusqlite::Result<()> {
     let mut tables: Vec<String> = conn
         .prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'view') AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name")?
         .query_map([], |row| row.get(0))?

@@ -56,9 +56,10 @@ pub use flush::FlushMethod;
 pub use host::FiredAlarm;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
-    MAX_THREADS, Namespace, Stub, Synchronous,
+    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous,
 };
 pub use id::MAX_NAME_BYTES;
+pub use index::{BUILT_VERSION, INDEX_FILE, IndexRebuild, RebuildReason};
 pub use residency::{DEFAULT_MAX_LIVE_OBJECTS_CEILING, FDS_PER_LIVE_OBJECT, RESERVED_FDS};
 
 /// An error of an object's own code (factory, alarm handler). It need not

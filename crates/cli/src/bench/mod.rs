@@ -12,6 +12,7 @@ mod alarms;
 mod fanout;
 mod fanout_backlog;
 mod host_calls;
+mod index_rebuild;
 mod latency;
 mod log;
 mod modes;
@@ -165,6 +166,11 @@ const SCENARIOS: &[Scenario] = &[
         name: host_calls::NAME,
         about: "the object host: replies/s and commits/s per durability mode, open time, memory per object, alarm lateness",
         run: host_calls::run,
+    },
+    Scenario {
+        name: index_rebuild::NAME,
+        about: "the object host: start-up time when the alarm index is rebuilt from 10,000 object files",
+        run: index_rebuild::run,
     },
     Scenario {
         name: operations::NAME,

@@ -450,6 +450,9 @@ fn list(dir: &Path) -> Result<Vec<PathBuf>, DemoError> {
         })
 }
 
+/// How many lost (message, target) pairs a summary names.
+pub const LOST_SHOWN: usize = 20;
+
 /// Where each accepted message ended, per target, from the facts and the
 /// parked entries of the objects.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -463,6 +466,8 @@ pub struct Accounting {
     pub parked: u64,
     /// Accepted messages with a target where they reached no end.
     pub lost: u64,
+    /// The first [`LOST_SHOWN`] of them: (message id, target).
+    pub lost_examples: Vec<(String, &'static str)>,
     /// Inbox deliveries beyond the first of their message (at least once).
     pub redelivered: u64,
 }
@@ -490,6 +495,9 @@ impl Accounting {
                         accounting.parked += 1;
                     } else {
                         ended = false;
+                        if accounting.lost_examples.len() < LOST_SHOWN {
+                            accounting.lost_examples.push((id.clone(), target));
+                        }
                     }
                 }
                 if !ended {

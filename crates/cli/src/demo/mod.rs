@@ -167,6 +167,8 @@ pub enum DemoError {
         "{owed} deliveries are still owed and none settled for {waited_s} s; run again to resume"
     )]
     Stalled { owed: u64, waited_s: u64 },
+    #[error("{loss}")]
+    Lost { loss: String },
     #[error(
         "interrupted: run {run} accepted {accepted} of {messages} messages and owes {owed} \
          deliveries; run the same command again to finish them"
@@ -180,7 +182,7 @@ pub enum DemoError {
 }
 
 /// Runs `durability demo` and returns what to print.
-pub fn run(args: &DemoArgs) -> Result<String, DemoError> {
+pub fn run(args: &DemoArgs) -> Result<DemoOutput, DemoError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -202,8 +204,28 @@ struct Run {
     pause_after: Option<u64>,
 }
 
-async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
+/// What a finished invocation prints, and whether it lost anything (then it
+/// exits non-zero after printing the summary).
+pub struct DemoOutput {
+    pub text: String,
+    pub lost: Option<DemoError>,
+}
+
+async fn demo(args: &DemoArgs) -> Result<DemoOutput, DemoError> {
     let started = Instant::now();
+    // The host first: it takes the data directory's lock, so a second demo
+    // on a busy directory fails here, before it reads or writes any run
+    // file or says anything about resuming.
+    let host = Host::builder(&args.data_dir)
+        .shutdown_grace(SHUTDOWN_GRACE)
+        .build()?;
+    let outcome = demo_on(args, &host, started).await;
+    // Shut down after a failure too, so every file is closed cleanly.
+    host.shutdown().await;
+    outcome
+}
+
+async fn demo_on(args: &DemoArgs, host: &Host, started: Instant) -> Result<DemoOutput, DemoError> {
     let opened = facts::open_run(&args.data_dir, args.messages, args.shards)?;
     let plan = opened.plan.clone();
     if opened.resumed && (plan.messages, plan.shards) != (args.messages, args.shards) {
@@ -223,17 +245,14 @@ async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
         plan.messages,
     ));
     let shared = Arc::new(Shared::new(&args.data_dir, Arc::clone(&counters)));
-    // The host's default threads, one per core: more do not help, the run
-    // is bound by the disk's syncs (each archived mail is a file sync and
+    // The host runs its default threads, one per core: more do not help, the
+    // run is bound by the disk's syncs (each archived mail is a file sync and
     // an ack commit).
-    let host = Host::builder(&args.data_dir)
-        .shutdown_grace(SHUTDOWN_GRACE)
-        .build()?;
     let mailboxes = host.namespace(NAMESPACE, move |ctx| Mailbox::new(ctx, Arc::clone(&shared)))?;
     let shards = (0..u64::from(plan.shards))
         .map(|n| mailboxes.stub(&producer::shard_name(n)))
         .collect::<Result<Vec<_>, _>>()?;
-    let client = producer::client(mailboxes, &host, plan.shards)?;
+    let client = producer::client(mailboxes, host, plan.shards)?;
     let journal = Journal::open(&opened.paths.accepted())?;
     let progress = Progress::start(Arc::clone(&counters), plan.messages);
     let run = Run {
@@ -255,23 +274,24 @@ async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
             .map_err(|source| DemoError::Signal { source }),
     };
     run.progress.finish();
-    let outcome = match outcome {
-        Ok(Some(summary)) => Ok(summary),
-        Ok(None) => Err(run.interrupted().await),
-        Err(error) => Err(error),
+    let summary = match outcome {
+        Ok(Some(summary)) => summary,
+        Ok(None) => return Err(run.interrupted().await),
+        Err(error) => return Err(error),
     };
-    // Shut down after a failure too, so every file is closed cleanly.
-    host.shutdown().await;
-    let summary = outcome?;
     facts::write_json_atomically(&run.opened.paths.summary(), &summary)?;
-    if args.json {
+    let text = if args.json {
         serde_json::to_string_pretty(&summary).map_err(|source| DemoError::Encode {
             what: "the summary",
             source,
-        })
+        })?
     } else {
-        Ok(summary.render())
-    }
+        summary.render()
+    };
+    Ok(DemoOutput {
+        text,
+        lost: summary.loss().map(|loss| DemoError::Lost { loss }),
+    })
 }
 
 impl Run {
@@ -292,11 +312,23 @@ impl Run {
                 grouped(resumed_owed)
             ));
             self.drain().await?;
-            self.progress.note(&format!(
-                "resumed run {}: every accepted message reached its end; accepting the remaining {}",
-                plan.run,
-                grouped(plan.messages.saturating_sub(resumed_accepted))
-            ));
+            let (parked, _) = self.parked_and_cleanup().await?;
+            let so_far = Accounting::of(plan, &Facts::read(&self.opened.paths)?, &parked);
+            let remaining = grouped(plan.messages.saturating_sub(resumed_accepted));
+            if so_far.lost == 0 {
+                self.progress.note(&format!(
+                    "resumed run {}: every accepted message reached its end; accepting the remaining {remaining}",
+                    plan.run,
+                ));
+            } else {
+                // Said now, and again (with an exit code) in the summary.
+                self.progress.note(&format!(
+                    "resumed run {}: {} accepted messages reached no end (see the summary); \
+                     accepting the remaining {remaining}",
+                    plan.run,
+                    grouped(so_far.lost),
+                ));
+            }
         }
 
         let todo: Vec<u64> = (0..plan.batches())
@@ -338,18 +370,7 @@ impl Run {
         }
 
         let after = Facts::read(&self.opened.paths)?;
-        let mut parked = HashSet::new();
-        let (mut cleanup_runs, mut inbox_rows_trimmed) = (0, 0);
-        for stub in &self.shards {
-            let (entries, cleanup) = stub
-                .call(|mailbox: Rc<Mailbox>| async move {
-                    Ok::<_, DemoError>((mailbox.parked()?, mailbox.cleanup_stats()?))
-                })
-                .await??;
-            parked.extend(entries);
-            cleanup_runs += cleanup.runs;
-            inbox_rows_trimmed += cleanup.trimmed;
-        }
+        let (parked, (cleanup_runs, inbox_rows_trimmed)) = self.parked_and_cleanup().await?;
         let accounting = Accounting::of(plan, &after, &parked);
         let latency = produced.latency.summary();
         let per_sec = |count: u64, elapsed: Duration| {
@@ -379,6 +400,14 @@ impl Run {
             dead_lettered_by_target: by_target(&accounting.dead_lettered),
             parked: accounting.parked,
             lost: accounting.lost,
+            lost_examples: accounting
+                .lost_examples
+                .iter()
+                .map(|(message, target)| summary::LostDelivery {
+                    message: message.clone(),
+                    target,
+                })
+                .collect(),
             owed: self.owed().await?,
             redelivered: accounting.redelivered,
             retries: after.retries,
@@ -396,6 +425,26 @@ impl Run {
             elapsed_s: (self.started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
             data_dir: data_dir.display().to_string(),
         })
+    }
+
+    /// Every shard's parked (message, target) pairs, and the cleanup alarm's
+    /// runs and trimmed rows summed over the shards.
+    async fn parked_and_cleanup(
+        &self,
+    ) -> Result<(HashSet<(String, String)>, (u64, u64)), DemoError> {
+        let mut parked = HashSet::new();
+        let (mut cleanup_runs, mut inbox_rows_trimmed) = (0, 0);
+        for stub in &self.shards {
+            let (entries, cleanup) = stub
+                .call(|mailbox: Rc<Mailbox>| async move {
+                    Ok::<_, DemoError>((mailbox.parked()?, mailbox.cleanup_stats()?))
+                })
+                .await??;
+            parked.extend(entries);
+            cleanup_runs += cleanup.runs;
+            inbox_rows_trimmed += cleanup.trimmed;
+        }
+        Ok((parked, (cleanup_runs, inbox_rows_trimmed)))
     }
 
     /// Messages the run's journal said were accepted when this invocation

@@ -33,6 +33,9 @@ pub struct Summary {
     pub parked: u64,
     /// Accepted messages that reached no end on some target.
     pub lost: u64,
+    /// The first of them (at most `LOST_SHOWN`), with the target where
+    /// each reached no end.
+    pub lost_examples: Vec<LostDelivery>,
     /// Deliveries the shards still owed at the end.
     pub owed: u64,
     /// Inbox deliveries repeated after a crash (at-least-once delivery).
@@ -59,7 +62,40 @@ pub struct Summary {
     pub data_dir: String,
 }
 
+/// An accepted message that reached no end on one target.
+#[derive(Debug, Clone, Serialize)]
+pub struct LostDelivery {
+    pub message: String,
+    pub target: &'static str,
+}
+
 impl Summary {
+    /// What was lost, in words, when anything was: the demo then exits
+    /// non-zero, since "nothing accepted is dropped" did not hold.
+    pub fn loss(&self) -> Option<String> {
+        if self.lost == 0 {
+            return None;
+        }
+        let shown = self
+            .lost_examples
+            .iter()
+            .map(|l| format!("{} on {}", l.message, l.target))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let more = self.lost.saturating_sub(self.lost_examples.len() as u64);
+        Some(format!(
+            "{} accepted messages of run {} reached no end (neither delivered, dead-lettered nor \
+             parked): {shown}{}",
+            grouped(self.lost),
+            self.run,
+            if more > 0 {
+                format!(" and {} more", grouped(more))
+            } else {
+                String::new()
+            }
+        ))
+    }
+
     /// The summary as a table, with a line that says what to look at next.
     pub fn render(&self) -> String {
         let mut table = Table::new();

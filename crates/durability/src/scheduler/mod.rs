@@ -189,6 +189,8 @@ impl SchedulerBuilder {
             permits: Arc::new(Semaphore::new(self.alarm_concurrency)),
             refresh: RefCell::new(None),
             early: RefCell::new(None),
+            failed_until: Cell::new(None),
+            in_run: Cell::new(0),
             next_id: Cell::new(0),
             watchers: RefCell::new(HashMap::new()),
             active_by_table: RefCell::new(HashMap::new()),
@@ -367,6 +369,15 @@ pub(crate) struct Engine {
     permits: Arc<Semaphore>,
     refresh: RefCell<Option<Refresh>>,
     early: RefCell<Option<EarlyTimer>>,
+    /// Set when a run failed: until a run succeeds, the commits *of a run*
+    /// arm the in-memory timer no earlier than the fallback alarm.
+    /// Otherwise a pass that fails on a row it cannot advance (a damaged
+    /// row) while its own commits re-arm the timer for that still-due row
+    /// loops at full speed. New work registered meanwhile still arms it at
+    /// once.
+    failed_until: Cell<Option<EpochMs>>,
+    /// Alarm runs in progress.
+    in_run: Cell<u32>,
     next_id: Cell<u64>,
     #[allow(clippy::type_complexity)] // table -> key -> listeners, read in one place
     watchers: RefCell<HashMap<&'static str, HashMap<String, Vec<(u64, SettlementListener)>>>>,
@@ -640,6 +651,12 @@ impl Engine {
         let Some(at) = at else {
             return;
         };
+        // After a failed run, a run's own commits arm nothing earlier than
+        // its fallback.
+        let at = match self.failed_until.get() {
+            Some(until) if self.in_run.get() > 0 => at.max(until),
+            _ => at,
+        };
         let delay = at.saturating_sub(self.now());
         // Without live timers the timer only covers the window the physical
         // alarm may not serve; with them, anything a timer can reach.
@@ -732,10 +749,20 @@ impl Engine {
         self: &Rc<Self>,
         info: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
-        let Err(error) = self.run_alarm(info).await else {
+        self.in_run.set(self.in_run.get() + 1);
+        let ran = self.run_alarm(info).await;
+        self.in_run.set(self.in_run.get().saturating_sub(1));
+        let Err(error) = ran else {
+            self.failed_until.set(None);
             return Ok(());
         };
         let fallback_at = self.now().saturating_add(self.alarm_min_delay_ms);
+        self.failed_until.set(Some(fallback_at));
+        if let Ok(mut early) = self.early.try_borrow_mut()
+            && let Some(timer) = early.take_if(|timer| timer.at < fallback_at)
+        {
+            timer.abort.abort();
+        }
         if self.ctx.storage().set_alarm(fallback_at).await.is_err() {
             return Err(error);
         }

@@ -1,0 +1,232 @@
+//! `durability fuzz-child`: runs cases `--from..--to` of one seed, one
+//! fresh object each, on an inline host over paused tokio time, and prints
+//! one line per case event on stdout (flushed): `B <case> <kind>` when it
+//! begins, `O <case> <kind>` when it passed, `F <json>` when it failed, and
+//! in trace mode `T <input>` before each input is used.
+
+use std::cell::RefCell;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Namespace, Synchronous};
+use serde::{Deserialize, Serialize};
+
+use super::FuzzError;
+use super::cases::{self, KINDS, Stage};
+use super::inputs::Fx;
+
+/// Arguments of the hidden `durability fuzz-child`.
+#[derive(Debug, clap::Args)]
+pub struct ChildArgs {
+    #[arg(long)]
+    seed: u64,
+    #[arg(long)]
+    from: u64,
+    #[arg(long)]
+    to: u64,
+    #[arg(long)]
+    data_dir: PathBuf,
+    #[arg(long)]
+    trace: bool,
+    #[arg(long)]
+    inject: Option<String>,
+}
+
+/// A failed case as the child reports it.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct FailureLine {
+    pub case: u64,
+    pub kind: String,
+    pub error: String,
+    pub input: Vec<String>,
+}
+
+/// What `--inject` makes a case do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Inject {
+    Panic,
+    Abort,
+    Hang,
+}
+
+/// `panic@I`, `abort@I` or `hang@I`.
+pub(super) fn parse_inject(value: &str) -> Result<(u64, &'static str), FuzzError> {
+    let bad = || FuzzError::Inject {
+        value: value.to_owned(),
+    };
+    let (kind, case) = value.split_once('@').ok_or_else(bad)?;
+    let case = case.parse().map_err(|_| bad())?;
+    let kind = match kind {
+        "panic" => "panic",
+        "abort" => "abort",
+        "hang" => "hang",
+        _ => return Err(bad()),
+    };
+    Ok((case, kind))
+}
+
+/// Panics seen since the last case ended (the hook records, never prints).
+static PANICS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// The object every case runs on: its context, and the scheduler its
+/// alarm delegates to (installed by the case).
+struct FuzzObject {
+    stage: Rc<Stage>,
+}
+
+impl DurableObject for FuzzObject {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        let scheduler = self.stage.scheduler.borrow().clone();
+        match scheduler {
+            Some(scheduler) => scheduler
+                .alarm(Some(info))
+                .await
+                .map_err(|e| Box::new(e) as BoxError),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Runs the child; the exit code is 0 when it ran every case (passed or
+/// not: the supervisor counts failures from the lines).
+pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
+    let inject = match &args.inject {
+        Some(value) => {
+            let (case, kind) = parse_inject(value)?;
+            let kind = match kind {
+                "panic" => Inject::Panic,
+                "abort" => Inject::Abort,
+                _ => Inject::Hang,
+            };
+            Some((case, kind))
+        }
+        None => None,
+    };
+    std::panic::set_hook(Box::new(|info| {
+        if let Ok(mut panics) = PANICS.lock() {
+            panics.push(info.to_string());
+        }
+    }));
+    let setup = |message: String| FuzzError::Setup { message };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| setup(e.to_string()))?;
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&runtime, async {
+        let host = Host::builder(&args.data_dir)
+            .threads(0)
+            .synchronous(Synchronous::Normal)
+            .idle_timeout(Duration::from_secs(400 * 86_400))
+            .build()
+            .map_err(|e| setup(e.to_string()))?;
+        let objects = host
+            .namespace("fuzz", |ctx| {
+                Ok(FuzzObject {
+                    stage: Rc::new(Stage {
+                        ctx,
+                        scheduler: RefCell::new(None),
+                    }),
+                })
+            })
+            .map_err(|e| setup(e.to_string()))?;
+        for case in args.from..args.to {
+            let injected = inject.and_then(|(at, kind)| (at == case).then_some(kind));
+            run_case(&host, &objects, args.seed, case, args.trace, injected).await;
+        }
+        host.shutdown().await;
+        Ok::<(), FuzzError>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn emit(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+async fn run_case(
+    host: &Host,
+    objects: &Namespace<FuzzObject>,
+    seed: u64,
+    case: u64,
+    trace: bool,
+    inject: Option<Inject>,
+) {
+    let mut fx = Fx::new(seed, case, trace);
+    let kind = fx.below(KINDS.len());
+    let kind_name = cases::kind_name(kind);
+    emit(&format!("B {case} {kind_name}"));
+    fx.note(format!("case kind: {kind_name}"));
+    let steps: Arc<Mutex<Vec<String>>> = fx.shared_trace();
+    match inject {
+        Some(Inject::Abort) => std::process::abort(),
+        Some(Inject::Hang) => loop {
+            std::thread::sleep(Duration::from_secs(1));
+        },
+        Some(Inject::Panic) | None => {}
+    }
+    let verdict = match objects.stub(&format!("case-{case}")) {
+        Ok(stub) => {
+            let called = stub
+                .call(move |o: Rc<FuzzObject>| async move {
+                    if inject == Some(Inject::Panic) {
+                        panic!("injected panic (--inject)");
+                    }
+                    let verdict = cases::run(Rc::clone(&o.stage), kind, fx).await;
+                    // The case is over: its alarms and timers go with it.
+                    o.stage.scheduler.borrow_mut().take();
+                    let _ = durability::platform::Context::storage(&o.stage.ctx)
+                        .delete_alarm()
+                        .await;
+                    verdict
+                })
+                .await;
+            let _ = host.evict(stub.id()).await;
+            let file = host.object_file(stub.id());
+            for suffix in ["", "-wal", "-shm"] {
+                let mut path = file.clone().into_os_string();
+                path.push(suffix);
+                let _ = std::fs::remove_file(PathBuf::from(path));
+            }
+            match called {
+                Ok(verdict) => verdict,
+                Err(error) => Err(format!("the case's call failed: {error}")),
+            }
+        }
+        Err(error) => Err(format!("no object for the case: {error}")),
+    };
+    let panics: Vec<String> = PANICS
+        .lock()
+        .map(|mut panics| panics.drain(..).collect())
+        .unwrap_or_default();
+    let verdict = if panics.is_empty() {
+        verdict
+    } else {
+        Err(format!("panic: {}", panics.join(" | ")))
+    };
+    match verdict {
+        Ok(()) => emit(&format!("O {case} {kind_name}")),
+        Err(error) => {
+            let input = steps.lock().map(|s| s.clone()).unwrap_or_default();
+            let line = FailureLine {
+                case,
+                kind: kind_name.to_owned(),
+                error,
+                input,
+            };
+            match serde_json::to_string(&line) {
+                Ok(json) => emit(&format!("F {json}")),
+                Err(_) => emit(&format!(
+                    "F {{\"case\":{case},\"kind\":\"{kind_name}\",\"error\":\"unencodable\",\"input\":[]}}"
+                )),
+            }
+        }
+    }
+}

@@ -1,0 +1,469 @@
+//! `durability fuzz --cases N [--seed S] [--json FILE]`: random and
+//! adversarial inputs against the public API of every capability
+//! (operations, named alarms, fanout, log, routing, load) and malformed
+//! rows written straight into their tables; see [`cases`] for what each
+//! case checks.
+//!
+//! The supervisor (this module) runs the cases in a child process (the
+//! same binary, hidden `fuzz-child`), which prints a line when each case
+//! begins and ends. A panic anywhere in a case is caught in the child (its
+//! panic hook) and fails that case; a child that dies (abort, stack
+//! overflow, any signal) or makes no progress for `--hang-timeout-s`
+//! seconds (killed) fails the case it was in, and a new child goes on with
+//! the next case. The inputs of such a case are recovered by running it
+//! again alone in trace mode, where the child prints each input before
+//! using it. Exit code: non-zero when any case failed.
+//!
+//! Case `i` of seed `S` draws its inputs from a generator seeded by
+//! `(S, i)` only: `--seed S --from i --cases 1` runs it again alone.
+
+mod cases;
+mod child;
+mod inputs;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+pub use child::{ChildArgs, run_child};
+
+/// Arguments of `durability fuzz`.
+#[derive(Debug, clap::Args)]
+pub struct FuzzArgs {
+    /// How many cases to run.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    cases: u64,
+    /// The run's seed; each case's inputs depend on it and the case number
+    /// only. Default: from the clock (printed, and in the JSON).
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Also write the results as one JSON object (`cases`, `failures`,
+    /// each failure with its `input` and `error`).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// The first case number (to run one case again: `--from i --cases 1`).
+    #[arg(long, value_name = "I", default_value_t = 0)]
+    from: u64,
+    /// Where the cases' object files go. Default: a fresh directory in
+    /// /dev/shm when there is one (the harness tests logic, not fsync),
+    /// else the temporary directory; removed afterwards.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// A case that makes no progress for this long is a hang.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    hang_timeout_s: u64,
+    /// Test hook: make case I panic, abort or hang (`panic@I`, `abort@I`,
+    /// `hang@I`), to show the harness catches each.
+    #[arg(long, hide = true, value_name = "KIND@I")]
+    inject: Option<String>,
+}
+
+/// Why the fuzz run could not run (a failing case is not an error: it is
+/// reported, and the exit code says so).
+#[derive(Debug, thiserror::Error)]
+pub enum FuzzError {
+    #[error("{what} {}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot start the fuzz child process")]
+    Spawn {
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the fuzz child printed a line the supervisor cannot read: {line:?}")]
+    Protocol { line: String },
+    #[error("cannot encode the results as JSON")]
+    Json {
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("--inject must be panic@I, abort@I or hang@I, got {value:?}")]
+    Inject { value: String },
+    #[error("cannot start the fuzz child's runtime or host: {message}")]
+    Setup { message: String },
+}
+
+/// One failed case.
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseFailure {
+    pub case: u64,
+    pub capability: String,
+    /// What went wrong.
+    pub error: String,
+    /// The case's inputs and steps, in order.
+    pub input: Vec<String>,
+}
+
+/// What a run found.
+#[derive(Debug, Serialize)]
+pub struct FuzzReport {
+    pub cases: u64,
+    pub seed: u64,
+    pub from: u64,
+    pub failed: usize,
+    pub failures: Vec<CaseFailure>,
+    pub by_capability: BTreeMap<String, u64>,
+    /// Child processes started (one more after each abort or hang).
+    pub child_processes: u64,
+    pub elapsed_s: f64,
+    pub cases_per_sec: f64,
+}
+
+/// Runs `durability fuzz`; returns what to print and whether every case
+/// passed.
+pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
+    if let Some(inject) = &args.inject {
+        child::parse_inject(inject)?;
+    }
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    let temporary;
+    let dir = match &args.data_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            let shm = Path::new("/dev/shm");
+            let base = if shm.is_dir() {
+                shm.to_path_buf()
+            } else {
+                std::env::temp_dir()
+            };
+            temporary = tempfile::Builder::new()
+                .prefix("durability-fuzz-")
+                .tempdir_in(&base)
+                .map_err(|source| FuzzError::Io {
+                    what: "cannot create a directory in",
+                    path: base,
+                    source,
+                })?;
+            temporary.path().to_path_buf()
+        }
+    };
+    let started = Instant::now();
+    let bar = crate::bench::progress_bar("fuzz cases", args.cases);
+    let mut report = FuzzReport {
+        cases: 0,
+        seed,
+        from: args.from,
+        failed: 0,
+        failures: Vec::new(),
+        by_capability: BTreeMap::new(),
+        child_processes: 0,
+        elapsed_s: 0.0,
+        cases_per_sec: 0.0,
+    };
+    let end = args.from.saturating_add(args.cases);
+    let hang = Duration::from_secs(args.hang_timeout_s);
+    let mut next = args.from;
+    while next < end {
+        report.child_processes += 1;
+        let child_dir = dir.join(format!("child-{}", report.child_processes));
+        let outcome = supervise(
+            args,
+            seed,
+            next,
+            end,
+            &child_dir,
+            hang,
+            false,
+            &mut |line| match line {
+                Line::Ended {
+                    case,
+                    kind,
+                    failure,
+                } => {
+                    report.cases += 1;
+                    *report.by_capability.entry(kind.clone()).or_default() += 1;
+                    if let Some((error, input)) = failure {
+                        report.failures.push(CaseFailure {
+                            case,
+                            capability: kind,
+                            error,
+                            input,
+                        });
+                    }
+                    bar.inc(1);
+                }
+                Line::Begun { .. } | Line::Trace(_) => {}
+            },
+        )?;
+        let _ = std::fs::remove_dir_all(&child_dir);
+        match outcome {
+            Stopped::Finished => break,
+            Stopped::Died { case, why } => {
+                // Its inputs: the same case again, alone, printing each one.
+                let trace_dir = dir.join(format!("trace-{case}"));
+                let mut input = Vec::new();
+                let mut kind = String::from("?");
+                supervise(
+                    args,
+                    seed,
+                    case,
+                    case + 1,
+                    &trace_dir,
+                    hang,
+                    true,
+                    &mut |line| match line {
+                        Line::Trace(text) => input.push(text),
+                        Line::Begun { kind: k, .. } => kind = k,
+                        Line::Ended { .. } => {}
+                    },
+                )?;
+                let _ = std::fs::remove_dir_all(&trace_dir);
+                report.cases += 1;
+                *report.by_capability.entry(kind.clone()).or_default() += 1;
+                report.failures.push(CaseFailure {
+                    case,
+                    capability: kind,
+                    error: why,
+                    input,
+                });
+                bar.inc(1);
+                next = case + 1;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    report.failed = report.failures.len();
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.cases_per_sec = if report.elapsed_s > 0.0 {
+        (report.cases as f64 / report.elapsed_s).round()
+    } else {
+        0.0
+    };
+    if let Some(path) = &args.json {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|source| FuzzError::Json { source })?;
+        std::fs::write(path, text + "\n").map_err(|source| FuzzError::Io {
+            what: "cannot write JSON results to",
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok((render(&report), report.failures.is_empty()))
+}
+
+fn render(report: &FuzzReport) -> String {
+    let mut text = format!(
+        "fuzz: {} cases from {} (seed {}), {} failed, {:.0} cases/s, {:.1} s, {} child processes\nby capability: {}",
+        report.cases,
+        report.from,
+        report.seed,
+        report.failed,
+        report.cases_per_sec,
+        report.elapsed_s,
+        report.child_processes,
+        report
+            .by_capability
+            .iter()
+            .map(|(kind, n)| format!("{kind} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for failure in report.failures.iter().take(20) {
+        text.push_str(&format!(
+            "\nFAILED case {} ({}): {}\n  rerun: durability fuzz --seed {} --from {} --cases 1\n  input:",
+            failure.case, failure.capability, failure.error, report.seed, failure.case
+        ));
+        for line in failure.input.iter().take(40) {
+            text.push_str(&format!("\n    {line}"));
+        }
+    }
+    if report.failed > 20 {
+        text.push_str(&format!(
+            "\n... and {} more failures (see --json)",
+            report.failed - 20
+        ));
+    }
+    text
+}
+
+/// A line of the child's protocol.
+enum Line {
+    Begun {
+        case: u64,
+        kind: String,
+    },
+    Ended {
+        case: u64,
+        kind: String,
+        failure: Option<(String, Vec<String>)>,
+    },
+    Trace(String),
+}
+
+/// How a child stopped.
+enum Stopped {
+    Finished,
+    Died { case: u64, why: String },
+}
+
+/// Runs cases `from..end` in one child and reports its lines; returns when
+/// it finished, died or hung (then it is killed).
+#[allow(clippy::too_many_arguments)] // each is one setting of the child run
+fn supervise(
+    args: &FuzzArgs,
+    seed: u64,
+    from: u64,
+    end: u64,
+    dir: &Path,
+    hang: Duration,
+    trace: bool,
+    on_line: &mut dyn FnMut(Line),
+) -> Result<Stopped, FuzzError> {
+    let exe = std::env::current_exe().map_err(|source| FuzzError::Spawn { source })?;
+    let mut command = Command::new(exe);
+    command
+        .arg("fuzz-child")
+        .args(["--seed", &seed.to_string()])
+        .args(["--from", &from.to_string()])
+        .args(["--to", &end.to_string()])
+        .arg("--data-dir")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if trace {
+        command.arg("--trace");
+    }
+    if let Some(inject) = &args.inject {
+        command.args(["--inject", inject]);
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|source| FuzzError::Spawn { source })?;
+    let stdout = child.stdout.take().ok_or_else(|| FuzzError::Spawn {
+        source: std::io::Error::other("no stdout pipe"),
+    })?;
+    let (tx, rx) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut in_flight: Option<u64> = None;
+    let stopped = loop {
+        match rx.recv_timeout(hang) {
+            Ok(line) => match parse(&line)? {
+                Line::Begun { case, kind } => {
+                    in_flight = Some(case);
+                    on_line(Line::Begun { case, kind });
+                }
+                ended @ Line::Ended { .. } => {
+                    in_flight = None;
+                    on_line(ended);
+                }
+                trace_line => on_line(trace_line),
+            },
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let _ = child.kill();
+                let status = child.wait();
+                break match in_flight {
+                    Some(case) => Stopped::Died {
+                        case,
+                        why: format!(
+                            "hang: no progress for {} s (killed; {})",
+                            hang.as_secs(),
+                            describe(status.ok())
+                        ),
+                    },
+                    None => Stopped::Died {
+                        case: from,
+                        why: format!("hang: the child printed nothing for {} s", hang.as_secs()),
+                    },
+                };
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let status = child.wait().ok();
+                break match (in_flight, status) {
+                    (Some(case), status) => Stopped::Died {
+                        case,
+                        why: format!("the process died during the case: {}", describe(status)),
+                    },
+                    (None, Some(status)) if status.success() => Stopped::Finished,
+                    (None, status) => Stopped::Died {
+                        case: from,
+                        why: format!("the child failed between cases: {}", describe(status)),
+                    },
+                };
+            }
+        }
+    };
+    reap(&mut child);
+    let _ = reader.join();
+    Ok(stopped)
+}
+
+fn reap(child: &mut Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+fn describe(status: Option<ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt as _;
+    match status {
+        Some(status) => match status.signal() {
+            Some(signal) => format!(
+                "killed by signal {signal}{}",
+                match signal {
+                    6 => " (SIGABRT: abort, e.g. a stack overflow or a panic while panicking)",
+                    11 => " (SIGSEGV)",
+                    9 => " (SIGKILL)",
+                    _ => "",
+                }
+            ),
+            None => format!("exit code {}", status.code().unwrap_or(-1)),
+        },
+        None => "status unknown".into(),
+    }
+}
+
+fn parse(line: &str) -> Result<Line, FuzzError> {
+    let bad = || FuzzError::Protocol {
+        line: line.chars().take(200).collect(),
+    };
+    let (tag, rest) = line.split_once(' ').ok_or_else(bad)?;
+    match tag {
+        "T" => Ok(Line::Trace(rest.to_owned())),
+        "B" => {
+            let (case, kind) = rest.split_once(' ').ok_or_else(bad)?;
+            Ok(Line::Begun {
+                case: case.parse().map_err(|_| bad())?,
+                kind: kind.to_owned(),
+            })
+        }
+        "O" => {
+            let (case, kind) = rest.split_once(' ').ok_or_else(bad)?;
+            Ok(Line::Ended {
+                case: case.parse().map_err(|_| bad())?,
+                kind: kind.to_owned(),
+                failure: None,
+            })
+        }
+        "F" => {
+            let failure: child::FailureLine = serde_json::from_str(rest).map_err(|_| bad())?;
+            Ok(Line::Ended {
+                case: failure.case,
+                kind: failure.kind,
+                failure: Some((failure.error, failure.input)),
+            })
+        }
+        _ => Err(bad()),
+    }
+}

@@ -1,0 +1,108 @@
+//! `durability fuzz` as CI runs it: a short budget of cases must pass, and
+//! the harness must catch each kind of failure it promises to catch (an
+//! injected panic, abort and hang), naming the case and its input, and go
+//! on with the next cases. The real binary in a child process.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// The budget CI runs (the same harness as `durability fuzz`, small).
+const CI_CASES: &str = "400";
+
+fn fuzz(args: &[&str], json: &std::path::Path) -> (Output, Value) {
+    let output = Command::new(env!("CARGO_BIN_EXE_durability"))
+        .arg("fuzz")
+        .args(args)
+        .arg("--json")
+        .arg(json)
+        .output()
+        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"));
+    let text = std::fs::read(json).unwrap_or_else(|error| {
+        panic!(
+            "no JSON report ({error}); stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    let report = serde_json::from_slice(&text).unwrap_or_else(|error| panic!("not JSON: {error}"));
+    (output, report)
+}
+
+#[test]
+fn a_short_fuzz_budget_passes_with_every_capability_exercised() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let (output, report) = fuzz(
+        &["--cases", CI_CASES, "--seed", "20261201"],
+        &dir.path().join("fuzz.json"),
+    );
+    assert!(
+        output.status.success() && report["failures"] == Value::Array(Vec::new()),
+        "{}",
+        serde_json::to_string_pretty(&report["failures"]).unwrap_or_default()
+    );
+    assert_eq!(report["cases"], 400);
+    for capability in [
+        "operations",
+        "alarms",
+        "fanout",
+        "log",
+        "routing",
+        "load",
+        "malformed-rows",
+    ] {
+        assert!(
+            report["by_capability"][capability]
+                .as_u64()
+                .is_some_and(|n| n > 10),
+            "{capability}: {}",
+            report["by_capability"]
+        );
+    }
+}
+
+#[test]
+fn an_injected_panic_abort_and_hang_each_fail_their_case_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    for (inject, error) in [
+        ("panic@2", "panic: "),
+        (
+            "abort@2",
+            "the process died during the case: killed by signal 6",
+        ),
+        ("hang@2", "hang: no progress for 2 s"),
+    ] {
+        let (output, report) = fuzz(
+            &[
+                "--cases",
+                "5",
+                "--seed",
+                "7",
+                "--inject",
+                inject,
+                "--hang-timeout-s",
+                "2",
+            ],
+            &dir.path().join("inject.json"),
+        );
+        assert!(!output.status.success(), "{inject}: exit {}", output.status);
+        assert_eq!(report["cases"], 5, "{inject}: the run went on: {report}");
+        let failures = report["failures"].as_array().cloned().unwrap_or_default();
+        assert_eq!(failures.len(), 1, "{inject}: {report}");
+        let failure = &failures[0];
+        assert_eq!(failure["case"], 2, "{inject}");
+        assert!(
+            failure["error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with(error)),
+            "{inject}: {}",
+            failure["error"]
+        );
+        assert!(
+            failure["input"].as_array().is_some_and(|input| input
+                .iter()
+                .any(|l| l.as_str().is_some_and(|l| l.starts_with("case kind")))),
+            "{inject}: the failure carries its input: {failure}"
+        );
+    }
+}
