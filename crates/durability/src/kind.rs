@@ -202,6 +202,7 @@ impl FanoutError {
             FanoutError::StateDisagrees { .. } | FanoutError::MissingManifest { .. } => {
                 ErrorKind::Corrupt
             }
+            FanoutError::UnknownTarget { .. } => ErrorKind::NotFound,
         }
     }
 }
