@@ -174,18 +174,39 @@ impl Gate {
         self.at = self.at.max(now);
     }
 
+    /// The most one claim takes: the batch size, cut by the concurrency.
+    fn batch(&self, batch: usize) -> usize {
+        match self.limits.concurrency {
+            Some(concurrency) => batch.min(concurrency),
+            None => batch,
+        }
+    }
+
+    /// How many tokens a rate-limited target waits for before it claims:
+    /// a whole batch (at most the bucket's size), so that a limited target
+    /// with a backlog costs one claim per batch, not one per token.
+    fn threshold(&self, batch: usize) -> u64 {
+        let batch = u64::try_from(self.batch(batch)).unwrap_or(u64::MAX);
+        self.limits
+            .rate
+            .map_or(1, |rate| batch.min(rate.deliveries).max(1))
+    }
+
     /// How many deliveries the next claim may take now (0: none).
     pub fn allowance(&mut self, now: EpochMs, batch: usize) -> usize {
-        let mut allowed = batch;
-        if let Some(concurrency) = self.limits.concurrency {
-            allowed = allowed.min(concurrency);
+        let allowed = self.batch(batch);
+        let threshold = self.threshold(batch);
+        match self.limits.rate {
+            Some(rate) => {
+                self.refill(now);
+                let tokens = self.level / rate.interval_ms;
+                if tokens < threshold {
+                    return 0;
+                }
+                allowed.min(usize::try_from(tokens).unwrap_or(usize::MAX))
+            }
+            None => allowed,
         }
-        if let Some(rate) = self.limits.rate {
-            self.refill(now);
-            let tokens = usize::try_from(self.level / rate.interval_ms).unwrap_or(usize::MAX);
-            allowed = allowed.min(tokens);
-        }
-        allowed
     }
 
     /// Takes one token per delivery handed over (a range claimed before a
@@ -200,18 +221,19 @@ impl Gate {
         }
     }
 
-    /// When the next token is in the bucket: `now` or earlier when one
-    /// already is, later when the target is rate limited and empty.
-    pub fn next_token_at(&self, now: EpochMs) -> EpochMs {
+    /// When the target may claim again: `now` when it may already, later
+    /// when it is rate limited and short of a batch's tokens.
+    pub fn next_token_at(&self, now: EpochMs, batch: usize) -> EpochMs {
         let Some(rate) = self.limits.rate else {
             return now;
         };
         let mut gate = self.clone();
         gate.refill(now);
-        if gate.level >= rate.interval_ms {
+        let wanted = gate.threshold(batch).saturating_mul(rate.interval_ms);
+        if gate.level >= wanted {
             return now;
         }
-        let missing = rate.interval_ms - gate.level;
+        let missing = wanted - gate.level;
         let wait = missing.div_ceil(rate.deliveries.max(1));
         now.saturating_add(EpochMs::try_from(wait).unwrap_or(EpochMs::MAX))
     }
@@ -235,16 +257,19 @@ mod tests {
         assert_eq!(gate.allowance(0, 10), 3);
         gate.take(3, 0);
         assert_eq!(gate.allowance(0, 10), 0);
-        // One token per 333.33 ms: due at 334, 667, 1000.
-        assert_eq!(gate.next_token_at(0), 334);
-        assert_eq!(gate.allowance(333, 10), 0);
-        assert_eq!(gate.allowance(334, 10), 1);
+        // One token per 333.33 ms, and a claim waits for a batch's worth
+        // (here the bucket's 3, or 1 with batches of 1).
+        assert_eq!(gate.next_token_at(0, 1), 334);
+        assert_eq!(gate.next_token_at(0, 10), 1_000);
+        assert_eq!(gate.allowance(333, 1), 0);
+        assert_eq!(gate.allowance(334, 10), 0);
+        assert_eq!(gate.allowance(334, 1), 1);
         gate.take(1, 334);
-        assert_eq!(gate.next_token_at(334), 667);
+        assert_eq!(gate.next_token_at(334, 1), 667);
         // Over 3,000 intervals exactly 9,000 tokens come back.
         let mut taken = 0;
         for now in 1..=3_000_000 {
-            let n = gate.allowance(334 + now, 1_000);
+            let n = gate.allowance(334 + now, 2);
             gate.take(n, 334 + now);
             taken += n;
         }

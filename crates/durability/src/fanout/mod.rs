@@ -677,7 +677,7 @@ impl<B> Inner<B> {
                 continue;
             }
             let at = match gates.get(&target) {
-                Some(gate) => at.max(gate.next_token_at(now)),
+                Some(gate) => at.max(gate.next_token_at(now, self.max_batch_size)),
                 None => at,
             };
             earliest = Some(earliest.map_or(at, |e| e.min(at)));

@@ -1143,9 +1143,11 @@ mod tests {
                             ),
                             (
                                 "next due",
+                                // One row per target (cursors), each a
+                                // probe of its spans and its exceptions.
                                 plan(sql, NEXT_DUE_SQL, &[]),
                                 vec![
-                                    "durability_fanout_exceptions_next_idx",
+                                    "SEARCH e USING COVERING INDEX durability_fanout_exceptions_due_idx",
                                     "SEARCH s USING PRIMARY KEY",
                                 ],
                                 false,
