@@ -257,6 +257,9 @@ pub struct Drained {
     /// Rows written on the object's connection during the run, when
     /// measured.
     pub rows_written: Option<u64>,
+    /// In the limited run, what the limited target had got when the other
+    /// one had every message.
+    pub limited_delivered: Option<u64>,
 }
 
 /// Produces `messages` in calls of [`ENQUEUE_BATCH`] to `targets` (all when
@@ -304,6 +307,7 @@ pub async fn produce_and_drain(
         enqueue_elapsed,
         elapsed,
         rows_written: None,
+        limited_delivered: None,
     })
 }
 
@@ -439,7 +443,7 @@ fn limited_part(
     clean_rate: Option<f64>,
 ) -> Result<Measurement, BenchError> {
     let mode = "ack-on-return-limited";
-    let mut best: Option<(Drained, u64)> = None;
+    let mut best: Option<Drained> = None;
     for _ in 0..rounds {
         let limited = Arc::new(AtomicU64::new(0));
         let drained = runtime.block_on(fanout_run_with(
@@ -448,18 +452,19 @@ fn limited_part(
             messages,
             true,
             None,
-            Some(Arc::clone(&limited)),
+            Some(limited),
         ))?;
         if best
             .as_ref()
-            .is_none_or(|(best, _)| drained.elapsed < best.elapsed)
+            .is_none_or(|best| drained.elapsed < best.elapsed)
         {
-            best = Some((drained, limited.load(Ordering::Relaxed)));
+            best = Some(drained);
         }
     }
-    let Some((drained, limited)) = best else {
+    let Some(drained) = best else {
         return Err(task_error("the limited run ran no round"));
     };
+    let limited = drained.limited_delivered.unwrap_or(0);
     let mut measurement = Measurement::new(
         format!("{mode}/unlimited-deliveries"),
         "1 message acked by the unlimited target (inbox)",
@@ -518,7 +523,7 @@ async fn fanout_run_with(
         batch_delay: Duration::ZERO,
         delivered: Arc::clone(&delivered),
         fail_one_in,
-        limited,
+        limited: limited.clone(),
     };
     let objects = host.namespace("mail", move |ctx| MailObject::build(ctx, &config))?;
     let stub = objects.stub("mailbox")?;
@@ -534,10 +539,12 @@ async fn fanout_run_with(
         None,
     )
     .await;
+    let limited_delivered = limited.map(|limited| limited.load(Ordering::Relaxed));
     let after = total_changes(&stub).await;
     host.shutdown().await;
     let mut drained = outcome?;
     drained.rows_written = Some(after?.saturating_sub(before?));
+    drained.limited_delivered = limited_delivered;
     Ok(drained)
 }
 

@@ -78,7 +78,16 @@
 //! - **Layers.** `store` (SQL, no policy) at the bottom; `batch` (a claimed
 //!   batch in memory) on it; `dispatch` and `settle` on both, neither
 //!   calling the other; this module wires a pass: claim, hand over,
-//!   settle. A per-target gate (flow control) sits in front of the claim.
+//!   settle. A per-target gate (`flow`, flow control) sits in front of the
+//!   claim.
+//! - **Flow control** (issue 14; [`FlowControl`], [`FanoutBuilder::flow_control`],
+//!   [`Fanout::set_flow_control`], [`Fanout::pause_target`]). The gate only
+//!   decides how many deliveries a target's next claim may take; a target
+//!   it holds back claims nothing, so its cursor, rows and attempts stay as
+//!   they are: no message is dropped, dead-lettered or charged an attempt
+//!   because of a limit. Passes of different targets run concurrently and
+//!   a held-back pass returns at once, so a limited or paused target never
+//!   slows another.
 //! - **Reading.** `durability_fanout_deliveries` is a view of every owed
 //!   delivery in the reference's columns (the table it was before
 //!   migration 0013): tools, tests and memo ownership checks read it.
@@ -125,6 +134,52 @@
 //!   settlement calls are rejected.
 //! - Enqueue rejections keep the reference's `name` and message and add
 //!   which message or target broke the rule.
+
+//! Flow control decisions (issue 14, where it is silent):
+//! - **Concurrency** counts deliveries handed over and not yet returned or
+//!   timed out. One batch of a target is out at a time (passes of a target
+//!   never overlap), so it caps the batch size; a concurrency above
+//!   `max_batch_size` adds no parallel batches. A consumer that outlives
+//!   its attempt timeout is no longer counted (it cannot be cancelled; its
+//!   late settlements are rejected), otherwise one hung call would stop its
+//!   target for good.
+//! - **Rate limit**: a token bucket per target holding `deliveries` tokens
+//!   (the largest burst), starting full, refilled continuously in integer
+//!   units (no drift: exactly `deliveries` per `interval`). Every delivery
+//!   handed over takes a token, retries included; dead letters sent to the
+//!   DLQ take none (they do not reach the target).
+//! - **Batched wake-ups**: a rate-limited target claims once it has a
+//!   batch's worth of tokens (`max_batch_size`, cut by its concurrency and
+//!   by the bucket's size), and reports exactly that time to the
+//!   scheduler's reconcile, so its timer or alarm fires when the tokens are
+//!   due, never by polling, and a limited target with a backlog costs one
+//!   claim per batch, not one per token. At 10/s with batches of 10 it gets
+//!   10 each second; at 50/s, 10 each 200 ms.
+//! - **Limits live in memory**: the builder's apply to each new instance,
+//!   [`Fanout::set_flow_control`] changes them until then (the tokens
+//!   earned stay, up to the new bucket; a target without a rate before
+//!   starts full). The bucket starts full after a restart, so a restart can
+//!   give one extra burst. A change applies from the next claim (a batch
+//!   already out finishes) and re-arms the alarm.
+//! - **Pause is durable** (migration 0015: a `paused` column on the
+//!   target's cursor). A paused target keeps accepting; nothing of it is
+//!   claimed (first deliveries, retries, dead-letter intent, a claim left
+//!   by a crash); it arms no alarm; its backlog stays in
+//!   [`Fanout::load`]'s `pending_deliveries` and the view of owed
+//!   deliveries. A batch already out when it is paused finishes. Pausing or
+//!   resuming is idempotent; a target neither configured nor owed anything
+//!   is [`FanoutError::UnknownTarget`], nothing written. A paused target
+//!   that is no longer configured is left paused (not postponed).
+//! - A range claimed before a crash comes back whole at its deadline (its
+//!   attempt counting needs the same range), even if it is larger than the
+//!   target's current limits; it empties the bucket.
+//! - The scheduler's due time is computed per target (one row per cursor:
+//!   a probe of its spans and of its exceptions' due index). A target whose
+//!   pass runs in this instance reports only its times still to come (its
+//!   claim's deadline, which brings a batch back after a crash); what of it
+//!   is already due is reported by one more reconcile when the pass ends:
+//!   a retry coming due while its target's batch is out would otherwise
+//!   fire the timer again and again.
 //!
 //! Owns the `durability_fanout_*` tables; all their SQL is in `store`.
 
@@ -661,22 +716,35 @@ impl<B> Inner<B> {
     }
 
     /// The earliest time a target that is not paused has work it may take:
-    /// its due time, or its next token when it has none left. A target
-    /// whose pass runs in this instance is left out (the pass takes its
-    /// due work, or reconciles again when it ends): otherwise a retry that
-    /// comes due while its target's batch is out would fire the timer at
-    /// once, again and again, each run only joining the running pass.
+    /// its due time, or when it has a batch's tokens if it is short of
+    /// them. A target whose pass runs in this instance reports only its
+    /// times still to come (a claim's deadline above all, which brings a
+    /// batch back after a crash); work of it already due is the running
+    /// pass's, or is reported by the reconcile that runs when the pass
+    /// ends. Otherwise a retry coming due while its target's batch is out
+    /// would fire the timer again and again, each run only joining the
+    /// running pass.
     fn next_due(&self, sql: &dyn Sql) -> Result<Option<EpochMs>, StorageError> {
         let now = self.engine.now();
         let gates = self.gates.borrow();
         let running = self.running.borrow();
         let mut earliest: Option<EpochMs> = None;
-        for (target, at) in store::next_due_by_target(sql)? {
-            if running.contains_key(&target) {
-                self.deferred.borrow_mut().insert(target);
+        for due in store::next_due_by_target(sql)? {
+            let times = [due.cursor, due.exceptions].into_iter().flatten();
+            let at = if running.contains_key(&due.target) {
+                let (later, now_due): (Vec<EpochMs>, Vec<EpochMs>) =
+                    times.partition(|at| *at > now);
+                if !now_due.is_empty() {
+                    self.deferred.borrow_mut().insert(due.target.clone());
+                }
+                later.into_iter().min()
+            } else {
+                times.min()
+            };
+            let Some(at) = at else {
                 continue;
-            }
-            let at = match gates.get(&target) {
+            };
+            let at = match gates.get(&due.target) {
                 Some(gate) => at.max(gate.next_token_at(now, self.max_batch_size)),
                 None => at,
             };

@@ -615,21 +615,31 @@ const NEXT_DUE_SQL: &str = "SELECT c.target_id, \
         WHERE e.target_id = c.target_id AND e.status = 'pending') \
      FROM durability_fanout_cursors c WHERE c.paused = 0";
 
-/// The earliest due time of each target that is not paused.
-pub(crate) fn next_due_by_target(sql: &dyn Sql) -> Result<Vec<(String, EpochMs)>, StorageError> {
+/// When each target that is not paused has something due: (target, its
+/// cursor's time, its earliest exception's), a target with neither left out.
+pub(crate) fn next_due_by_target(sql: &dyn Sql) -> Result<Vec<TargetDue>, StorageError> {
     let mut due = Vec::new();
     for row in sql.query(NEXT_DUE_SQL, &[])?.iter() {
         let cursor: Option<EpochMs> = row.get(1)?;
         let exceptions: Option<EpochMs> = row.get(2)?;
-        let earliest = match (cursor, exceptions) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        if let Some(at) = earliest {
-            due.push((row.get(0)?, at));
+        if cursor.is_some() || exceptions.is_some() {
+            due.push(TargetDue {
+                target: row.get(0)?,
+                cursor,
+                exceptions,
+            });
         }
     }
     Ok(due)
+}
+
+/// One row of [`next_due_by_target`].
+pub(crate) struct TargetDue {
+    pub target: String,
+    /// Its claim's deadline, or when its first span is due.
+    pub cursor: Option<EpochMs>,
+    /// Its earliest pending exception.
+    pub exceptions: Option<EpochMs>,
 }
 
 /// Counts every owed delivery (the view). Walks the backlog: run it once
