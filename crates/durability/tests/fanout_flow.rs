@@ -290,6 +290,8 @@ async fn a_paused_target_accepts_delivers_nothing_and_stays_paused_across_evicti
                 assert_eq!(fanout.paused_targets().unwrap(), vec!["paused".to_owned()]);
                 assert_eq!(fanout.load().unwrap().outbound.pending_deliveries, 8);
                 assert_eq!(owed(&*h.context(), "paused"), 8);
+                assert_eq!(fanout.backlog("paused").unwrap(), 8);
+                assert_eq!(fanout.backlog("live").unwrap(), 0);
                 h.keep(fanout);
             })
             .await

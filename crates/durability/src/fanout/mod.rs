@@ -589,6 +589,14 @@ where
         self.inner.set_paused(target, false).await
     }
 
+    /// The deliveries still owed to `target` (paused or not): its share of
+    /// [`Fanout::load`]'s `pending_deliveries`. Counts its backlog on each
+    /// call (a walk of its owed deliveries): for operators and dashboards,
+    /// not for every request.
+    pub fn backlog(&self, target: &str) -> Result<u64, FanoutError> {
+        Ok(store::count_owed_of(self.inner.engine.sql(), target)?)
+    }
+
     /// The paused targets, in order.
     pub fn paused_targets(&self) -> Result<Vec<String>, FanoutError> {
         Ok(store::paused_targets(self.inner.engine.sql())?)

@@ -642,6 +642,17 @@ pub(crate) struct TargetDue {
     pub exceptions: Option<EpochMs>,
 }
 
+/// Counts the owed deliveries of `target` (the view): walks its backlog.
+pub(crate) fn count_owed_of(sql: &dyn Sql, target: &str) -> Result<u64, StorageError> {
+    match sql.query_row(
+        "SELECT COUNT(*) FROM durability_fanout_deliveries WHERE target_id = ?",
+        &params![target],
+    )? {
+        Some(row) => row.get(0),
+        None => Ok(0),
+    }
+}
+
 /// Counts every owed delivery (the view). Walks the backlog: run it once
 /// per instance, never per message.
 pub(crate) fn count_owed(sql: &dyn Sql) -> Result<u64, StorageError> {
