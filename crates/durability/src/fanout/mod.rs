@@ -134,7 +134,7 @@
 //!   settlement calls are rejected.
 //! - Enqueue rejections keep the reference's `name` and message and add
 //!   which message or target broke the rule.
-
+//!
 //! Flow control decisions (issue 14, where it is silent):
 //! - **Concurrency** counts deliveries handed over and not yet returned or
 //!   timed out. One batch of a target is out at a time (passes of a target
