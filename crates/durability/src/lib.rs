@@ -24,7 +24,10 @@ pub mod retry;
 pub mod routing;
 pub mod scheduler;
 
-pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
+pub use alarms::{
+    AlarmCall, AlarmEntry, AlarmState, Alarms, AlarmsBuilder, MissedTicks, Recurrence,
+    RecurrenceError,
+};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 pub use fanout::{Fanout, FanoutBuilder};
 pub use kind::ErrorKind;
