@@ -864,8 +864,8 @@ impl<B> Inner<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// One pass over every target that has a cursor (configured or not),
-    /// the targets concurrently. Fails with the first failing target; the
+    /// One pass over every target that has a cursor (configured or not)
+    /// and is not paused, the targets concurrently. Fails with the first failing target; the
     /// others still finish.
     pub(crate) async fn run_due(self: Rc<Self>) -> Result<(), FanoutError> {
         let targets = store::list_targets(self.engine.sql())?;

@@ -376,11 +376,11 @@ pub(crate) fn insert_span(
     Ok(())
 }
 
-/// Every target that has a cursor, in order (a small table: one row per
-/// target ever named).
+/// Every target that has a cursor and is not paused, in order (a small
+/// table: one row per target ever named). A paused target gets no pass.
 pub(crate) fn list_targets(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
     sql.query(
-        "SELECT target_id FROM durability_fanout_cursors ORDER BY target_id",
+        "SELECT target_id FROM durability_fanout_cursors WHERE paused = 0 ORDER BY target_id",
         &[],
     )?
     .iter()
