@@ -37,6 +37,7 @@ enum Command {
     /// List every object of a data directory without constructing any.
     Inspect(inspect::InspectArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
+    #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
     /// Kill a workload's process with SIGKILL again and again, then check
     /// that every guarantee held; exits non-zero on any violation.

@@ -40,6 +40,13 @@ pub enum StorageError {
     /// The alarm time is not a non-negative safe integer of milliseconds.
     #[error("alarm time {at_ms} must be a non-negative safe integer of milliseconds")]
     InvalidAlarmTime { at_ms: i64 },
+    /// An integer parameter is outside ±(2^53 - 1). Platforms whose values
+    /// travel as JavaScript numbers (Cloudflare) cannot store it exactly, so
+    /// they refuse it instead of storing a rounded REAL.
+    #[error(
+        "integer parameter {value} is outside the safe range ±9007199254740991 that every platform stores exactly"
+    )]
+    UnsafeInteger { value: i64 },
 }
 
 /// Returned by a transaction body to roll the transaction back. The body's

@@ -1,14 +1,16 @@
 //! `fanout`: durable batch acceptance and delivery to two targets, against a
 //! floor of raw rusqlite doing the same row writes.
 //!
-//! One object on the real host (one executor thread, real time,
-//! synchronous FULL) owns a fanout with two consumer targets that ack every
+//! One object on the real host (one executor thread, real time, the
+//! default durability mode) owns a fanout with two consumer targets that ack every
 //! message at once. A producer enqueues the messages in calls of
 //! [`ENQUEUE_BATCH`] while the object delivers them in batches of
 //! [`DELIVERY_BATCH`]; the run ends when every (message, target) was acked.
 //! It runs with `ack_on_return` (one commit acks a whole batch; 100,000
 //! messages) and without (the consumer acks each message, one commit each;
-//! 20,000 messages, as each costs a commit of its own).
+//! 20,000 messages, as each costs a commit of its own). The ack-each part
+//! runs again with the host in FULL mode (a sync per commit): the gain of
+//! group commit where every delivery commits on its own.
 //!
 //! A third part, `ack-on-return-failing`, is the first with one message in
 //! 100 failing its first attempt (the consumer retries it; it is acked on
@@ -53,10 +55,11 @@ use durability::migrations::FANOUT_MIGRATIONS;
 use durability::platform::Context;
 use durability::retry::Delay;
 use durability::{HandlerError, Scheduler};
-use durability_host::{AlarmInfo, BoxError, DurableObject, Host, ObjectContext, Stub};
+use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::{BenchEnv, BenchError, Latency, Measurement, ScenarioReport};
+use super::modes::Mode;
+use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "fanout";
@@ -327,7 +330,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         figures: Vec::new(),
         notes: vec![
             format!(
-                "{} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host synchronous FULL",
+                "{} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host in its default mode (group commit with output gates); ack-each-full: the host with synchronous=FULL",
                 TARGETS.len()
             ),
             "deliveries: (message, target) pairs acked per second, from the first enqueue to the last ack; enqueue: one call of 100 messages, as its caller waits for it".into(),
@@ -338,10 +341,17 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         ],
     };
     let mut clean_rate = None;
-    for (mode, ack_on_return, fail_one_in) in [
-        ("ack-on-return", true, None),
-        ("ack-each", false, None),
-        ("ack-on-return-failing", true, Some(FAIL_ONE_IN)),
+    let mut ack_each_rates = Vec::new();
+    for (mode, ack_on_return, fail_one_in, host_mode) in [
+        ("ack-on-return", true, None, Mode::DEFAULT),
+        ("ack-each", false, None, Mode::DEFAULT),
+        ("ack-each-full", false, None, Mode::FULL),
+        (
+            "ack-on-return-failing",
+            true,
+            Some(FAIL_ONE_IN),
+            Mode::DEFAULT,
+        ),
     ] {
         if mode == "ack-each" {
             // Right after the clean run it compares with.
@@ -374,8 +384,14 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
                     old_floor(env, mode, messages, ack_on_return)?,
                 );
             }
-            let drained =
-                runtime.block_on(fanout_run(env, mode, messages, ack_on_return, fail_one_in))?;
+            let drained = runtime.block_on(fanout_run(
+                env,
+                mode,
+                messages,
+                ack_on_return,
+                fail_one_in,
+                host_mode,
+            ))?;
             if best_fanout
                 .as_ref()
                 .is_none_or(|best| drained.elapsed < best.elapsed)
@@ -425,10 +441,23 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             drained.enqueue_elapsed,
             &drained.enqueue_latency,
         );
+        if !ack_on_return {
+            ack_each_rates.push(delivered.ops_per_sec());
+        }
         report.measurements.push(delivered);
         report.measurements.push(enqueue);
         report.measurements.extend(best_floor);
         report.measurements.extend(best_old_floor);
+    }
+    if let [default, full] = ack_each_rates[..]
+        && full > 0.0
+    {
+        report.figures.push(Figure {
+            key: "ack_each_gain_over_full",
+            label: "ack-each deliveries/s, default mode ÷ FULL".into(),
+            value: default / full,
+            unit: "×",
+        });
     }
     Ok(report)
 }
@@ -495,6 +524,7 @@ async fn fanout_run(
     messages: u64,
     ack_on_return: bool,
     fail_one_in: Option<u64>,
+    host_mode: Mode,
 ) -> Result<Drained, BenchError> {
     fanout_run_with(env, mode, messages, ack_on_return, fail_one_in, None).await
 }
@@ -510,7 +540,7 @@ async fn fanout_run_with(
     limited: Option<Arc<AtomicU64>>,
 ) -> Result<Drained, BenchError> {
     let dir = env.subdir(&format!("fanout-{mode}"))?;
-    let host = Host::builder(&dir).threads(1).build()?;
+    let host = host_mode.builder(&dir).threads(1).build()?;
     let delivered = Arc::new(AtomicU64::new(0));
     let awaited = if limited.is_some() {
         messages * count(TARGETS.len() - 1)

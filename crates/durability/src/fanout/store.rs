@@ -202,8 +202,10 @@ pub(crate) fn json_pair(a: &str, b: &str) -> String {
     serde_json::to_string(&[a, b]).unwrap_or_else(|_| format!("[{a:?},{b:?}]"))
 }
 
+/// A LIMIT parameter; -1 is SQLite's "no limit" (a larger integer would not
+/// bind on every platform: JavaScript numbers stop at 2^53).
 fn limit_param(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(1 << 30)
+    i64::try_from(limit).unwrap_or(-1)
 }
 
 fn decode_error(table: &'static str, key: &str, detail: impl ToString) -> FanoutError {

@@ -19,7 +19,7 @@
 //! Offsets and byte counts are non-negative; they are stored as SQLite
 //! integers and read back through the checked `u64` decoder.
 
-use durability_platform::{EpochMs, Row, Sql, StorageError, Value, params};
+use durability_platform::{EpochMs, MAX_SAFE_INTEGER, Row, Sql, StorageError, Value, params};
 
 /// One hot record as stored.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,11 +50,13 @@ pub(crate) struct SegmentRow {
     pub flushed_at: EpochMs,
 }
 
-/// Converts an offset or count for binding. Callers validate offsets to be
-/// at most 2^53 - 1, so saturation never happens in practice; it only keeps
-/// a bad value from wrapping into a negative one.
+/// Converts an offset, count or limit for binding. Offsets are validated to
+/// be at most 2^53 - 1, so saturating there changes no comparison and no
+/// limit ("read everything" passes `u64::MAX`), while keeping every bound
+/// integer within what all platforms store exactly (JavaScript numbers on
+/// Cloudflare stop at 2^53).
 pub(crate) fn int(value: u64) -> Value {
-    Value::Integer(i64::try_from(value).unwrap_or(i64::MAX))
+    Value::Integer(i64::try_from(value).map_or(MAX_SAFE_INTEGER, |v| v.min(MAX_SAFE_INTEGER)))
 }
 
 // ---------------------------------------------------------------- sequence

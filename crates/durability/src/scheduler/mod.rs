@@ -574,7 +574,9 @@ impl Engine {
             key = table.key,
             name = table.name,
         );
-        let rows = sql.query(&query, &params![i64::try_from(limit).unwrap_or(i64::MAX)])?;
+        // -1 is SQLite's "no limit"; a larger integer would not bind on every
+        // platform (JavaScript numbers stop at 2^53).
+        let rows = sql.query(&query, &params![i64::try_from(limit).unwrap_or(-1)])?;
         let mut physical = None;
         let mut timer = None;
         for (index, row) in rows.iter().enumerate() {

@@ -1,0 +1,15 @@
+// The module workerd and Cloudflare load: instantiates the wasm-bindgen
+// output (built by scripts/build-worker into build/) and exports the
+// Durable Object class and the front Worker's fetch handler.
+import wasmModule from "./index_bg.wasm";
+import { initSync, MailboxObject, fetch as rustFetch } from "./index.js";
+
+initSync({ module: wasmModule });
+
+export { MailboxObject };
+
+export default {
+  fetch(request, env, ctx) {
+    return rustFetch(request, env, ctx);
+  },
+};
