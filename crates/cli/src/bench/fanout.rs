@@ -481,6 +481,8 @@ fn limited_part(
             messages,
             true,
             None,
+            // The host mode of the clean run it compares with.
+            Mode::DEFAULT,
             Some(limited),
         ))?;
         if best
@@ -526,7 +528,16 @@ async fn fanout_run(
     fail_one_in: Option<u64>,
     host_mode: Mode,
 ) -> Result<Drained, BenchError> {
-    fanout_run_with(env, mode, messages, ack_on_return, fail_one_in, None).await
+    fanout_run_with(
+        env,
+        mode,
+        messages,
+        ack_on_return,
+        fail_one_in,
+        host_mode,
+        None,
+    )
+    .await
 }
 
 /// One run; with `limited`, [`LIMITED_TARGET`] is rate limited, counted
@@ -537,6 +548,7 @@ async fn fanout_run_with(
     messages: u64,
     ack_on_return: bool,
     fail_one_in: Option<u64>,
+    host_mode: Mode,
     limited: Option<Arc<AtomicU64>>,
 ) -> Result<Drained, BenchError> {
     let dir = env.subdir(&format!("fanout-{mode}"))?;
