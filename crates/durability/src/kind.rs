@@ -212,6 +212,7 @@ impl FanoutError {
             FanoutError::StateDisagrees { .. } | FanoutError::MissingManifest { .. } => {
                 ErrorKind::Corrupt
             }
+            FanoutError::UnknownTarget { .. } => ErrorKind::NotFound,
         }
     }
 }

@@ -725,6 +725,14 @@ DROP TABLE durability_fanout_parked;",
         up: FANOUT_CURSORS_UP,
         down: FANOUT_CURSORS_DOWN,
     },
+    // Issue 14: a target's durable pause (flow control). A paused target's
+    // cursor, claims and exception rows stay as they are; nothing of it is
+    // claimed and it arms no alarm until it is resumed.
+    Migration {
+        name: "durability_0015_fanout_paused_targets",
+        up: "ALTER TABLE durability_fanout_cursors ADD COLUMN paused INTEGER NOT NULL DEFAULT 0;",
+        down: "ALTER TABLE durability_fanout_cursors DROP COLUMN paused;",
+    },
 ];
 
 /// The owed deliveries of the cursor layout, in the columns of the table it

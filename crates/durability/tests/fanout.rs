@@ -2265,6 +2265,7 @@ async fn migrating_to_none_drops_the_fanout_tables_and_their_memos() {
         assert_eq!(
             report.rolled_back,
             vec![
+                "durability_0015_fanout_paused_targets",
                 "durability_0013_fanout_cursors",
                 "durability_0009_create_fanout_parked",
                 "durability_0005_create_fanout"
@@ -2780,7 +2781,13 @@ async fn migration_0013_carries_every_old_delivery_over_once_and_its_down_script
 
         // Up: every owed delivery is there once, exactly as it was.
         let report = Fanout::<String>::migrate(ctx.storage(), MigrationTarget::Latest).unwrap();
-        assert_eq!(report.applied, vec!["durability_0013_fanout_cursors"]);
+        assert_eq!(
+            report.applied,
+            vec![
+                "durability_0013_fanout_cursors",
+                "durability_0015_fanout_paused_targets"
+            ]
+        );
         assert_eq!(rows(&*ctx, OLD_DELIVERIES), old_deliveries);
         assert_eq!(
             rows(
@@ -2798,7 +2805,13 @@ async fn migration_0013_carries_every_old_delivery_over_once_and_its_down_script
 
         // Down: the old layout, row for row.
         let report = Fanout::<String>::migrate(ctx.storage(), before_cursors).unwrap();
-        assert_eq!(report.rolled_back, vec!["durability_0013_fanout_cursors"]);
+        assert_eq!(
+            report.rolled_back,
+            vec![
+                "durability_0015_fanout_paused_targets",
+                "durability_0013_fanout_cursors"
+            ]
+        );
         assert_eq!(rows(&*ctx, OLD_DELIVERIES), old_deliveries);
         assert_eq!(
             rows(

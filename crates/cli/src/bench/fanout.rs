@@ -16,6 +16,14 @@
 //! 100 failing its first attempt (the consumer retries it; it is acked on
 //! its second): `failing_ratio` is its deliveries/s ÷ the clean run's.
 //!
+//! A fourth part, `ack-on-return-limited` (issue 14), is the clean run
+//! with the `audit` target rate limited to [`LIMITED_PER_SECOND`]
+//! deliveries a second (flow control) and `inbox` unlimited; it ends when
+//! `inbox` has every message. `limited_ratio` is inbox's deliveries/s ÷
+//! the clean run's per-target rate (its deliveries/s ÷ 2): a limited
+//! target must not slow another (goal ≥ 0.9). `limited_rate` is what
+//! `audit` got meanwhile (at most its limit, plus its first burst).
+//!
 //! Each part runs three rounds, the floors and the fanout taking turns, and
 //! keeps each one's best round: a machine busy with something else for a
 //! while then slows a round, not the figure.
@@ -41,7 +49,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use durability::fanout::{EnqueueOptions, Fanout, FanoutInput, FanoutMessage, Target};
+use durability::fanout::{EnqueueOptions, Fanout, FanoutInput, FanoutMessage, FlowControl, Target};
 use durability::memo::MEMO_MIGRATIONS;
 use durability::migrations::FANOUT_MIGRATIONS;
 use durability::platform::Context;
@@ -64,6 +72,10 @@ pub const DELIVERY_BATCH: usize = 100;
 pub const FAIL_ONE_IN: u64 = 100;
 /// The two targets every message goes to.
 pub const TARGETS: [&str; 2] = ["inbox", "audit"];
+/// The rate limit of `audit` in the limited run (deliveries a second).
+pub const LIMITED_PER_SECOND: usize = 1_000;
+/// The limited target of the limited run.
+pub const LIMITED_TARGET: &str = "audit";
 /// The longest a run waits for its last delivery before it gives up.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(1_800);
 /// How often the producer looks whether everything was delivered.
@@ -107,6 +119,9 @@ pub struct MailConfig {
     /// Every message whose number is a multiple of this fails its first
     /// attempt (the consumer retries it). `None`: none fails.
     pub fail_one_in: Option<u64>,
+    /// Rate limits [`LIMITED_TARGET`] to [`LIMITED_PER_SECOND`] and counts
+    /// its deliveries here instead of in `delivered`. `None`: no limit.
+    pub limited: Option<Arc<AtomicU64>>,
 }
 
 /// The retry delay of the failing run: short, so the run measures the cost
@@ -132,7 +147,16 @@ impl MailObject {
             });
         }
         for id in &config.targets {
-            let delivered = Arc::clone(&config.delivered);
+            let delivered = match &config.limited {
+                Some(limited) if *id == LIMITED_TARGET => {
+                    builder = builder.flow_control(
+                        *id,
+                        FlowControl::new().rate_limit(LIMITED_PER_SECOND, Duration::from_secs(1)),
+                    );
+                    Arc::clone(limited)
+                }
+                _ => Arc::clone(&config.delivered),
+            };
             let fail_one_in = config.fail_one_in;
             let target = if config.ack_on_return {
                 Target::consumer(move |batch: Vec<FanoutMessage<String>>| {
@@ -236,6 +260,9 @@ pub struct Drained {
     /// Rows written on the object's connection during the run, when
     /// measured.
     pub rows_written: Option<u64>,
+    /// In the limited run, what the limited target had got when the other
+    /// one had every message.
+    pub limited_delivered: Option<u64>,
 }
 
 /// Produces `messages` in calls of [`ENQUEUE_BATCH`] to `targets` (all when
@@ -283,6 +310,7 @@ pub async fn produce_and_drain(
         enqueue_elapsed,
         elapsed,
         rows_written: None,
+        limited_delivered: None,
     })
 }
 
@@ -325,6 +353,13 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             Mode::DEFAULT,
         ),
     ] {
+        if mode == "ack-each" {
+            // Right after the clean run it compares with.
+            let messages = env.size(100_000, 2_000);
+            report
+                .measurements
+                .push(limited_part(env, &runtime, rounds, messages, clean_rate)?);
+        }
         let messages = if ack_on_return {
             env.size(100_000, 2_000)
         } else {
@@ -427,6 +462,64 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
     Ok(report)
 }
 
+/// The limited part: best of `rounds`, `inbox`'s rate against the clean
+/// run's per-target rate (`clean_rate` is its deliveries/s, both targets).
+fn limited_part(
+    env: &BenchEnv,
+    runtime: &tokio::runtime::Runtime,
+    rounds: u64,
+    messages: u64,
+    clean_rate: Option<f64>,
+) -> Result<Measurement, BenchError> {
+    let mode = "ack-on-return-limited";
+    let mut best: Option<Drained> = None;
+    for _ in 0..rounds {
+        let limited = Arc::new(AtomicU64::new(0));
+        let drained = runtime.block_on(fanout_run_with(
+            env,
+            mode,
+            messages,
+            true,
+            None,
+            // The host mode of the clean run it compares with.
+            Mode::DEFAULT,
+            Some(limited),
+        ))?;
+        if best
+            .as_ref()
+            .is_none_or(|best| drained.elapsed < best.elapsed)
+        {
+            best = Some(drained);
+        }
+    }
+    let Some(drained) = best else {
+        return Err(task_error("the limited run ran no round"));
+    };
+    let limited = drained.limited_delivered.unwrap_or(0);
+    let mut measurement = Measurement::new(
+        format!("{mode}/unlimited-deliveries"),
+        "1 message acked by the unlimited target (inbox)",
+        messages,
+        drained.elapsed,
+        &Latency::new()?,
+    )
+    .with("messages", messages)
+    .with("limited_target", LIMITED_TARGET)
+    .with("limited_per_second", count(LIMITED_PER_SECOND));
+    let rate = measurement.ops_per_sec();
+    let seconds = drained.elapsed.as_secs_f64();
+    if seconds > 0.0 {
+        measurement = measurement.with("limited_rate", limited as f64 / seconds);
+    }
+    if let Some(clean) = clean_rate.filter(|clean| *clean > 0.0) {
+        let per_target = clean / TARGETS.len() as f64;
+        measurement = measurement
+            .with("clean_per_target_rate", per_target)
+            .with("limited_ratio", rate / per_target);
+    }
+    Ok(measurement)
+}
+
 async fn fanout_run(
     env: &BenchEnv,
     mode: &str,
@@ -435,15 +528,44 @@ async fn fanout_run(
     fail_one_in: Option<u64>,
     host_mode: Mode,
 ) -> Result<Drained, BenchError> {
+    fanout_run_with(
+        env,
+        mode,
+        messages,
+        ack_on_return,
+        fail_one_in,
+        host_mode,
+        None,
+    )
+    .await
+}
+
+/// One run; with `limited`, [`LIMITED_TARGET`] is rate limited, counted
+/// there, and the run ends when the other target has every message.
+async fn fanout_run_with(
+    env: &BenchEnv,
+    mode: &str,
+    messages: u64,
+    ack_on_return: bool,
+    fail_one_in: Option<u64>,
+    host_mode: Mode,
+    limited: Option<Arc<AtomicU64>>,
+) -> Result<Drained, BenchError> {
     let dir = env.subdir(&format!("fanout-{mode}"))?;
     let host = host_mode.builder(&dir).threads(1).build()?;
     let delivered = Arc::new(AtomicU64::new(0));
+    let awaited = if limited.is_some() {
+        messages * count(TARGETS.len() - 1)
+    } else {
+        messages * count(TARGETS.len())
+    };
     let config = MailConfig {
         ack_on_return,
         targets: TARGETS.to_vec(),
         batch_delay: Duration::ZERO,
         delivered: Arc::clone(&delivered),
         fail_one_in,
+        limited: limited.clone(),
     };
     let objects = host.namespace("mail", move |ctx| MailObject::build(ctx, &config))?;
     let stub = objects.stub("mailbox")?;
@@ -455,14 +577,16 @@ async fn fanout_run(
         &delivered,
         0,
         messages,
-        messages * count(TARGETS.len()),
+        awaited,
         None,
     )
     .await;
+    let limited_delivered = limited.map(|limited| limited.load(Ordering::Relaxed));
     let after = total_changes(&stub).await;
     host.shutdown().await;
     let mut drained = outcome?;
     drained.rows_written = Some(after?.saturating_sub(before?));
+    drained.limited_delivered = limited_delivered;
     Ok(drained)
 }
 

@@ -169,6 +169,7 @@ async fn open_seeded(env: &BenchEnv, pending: u64) -> Result<Side, BenchError> {
         batch_delay: FAR_FUTURE_BATCH_DELAY,
         delivered: Arc::clone(&delivered),
         fail_one_in: None,
+        limited: None,
     }));
     let current = Arc::clone(&config);
     let objects = host.namespace("mail", move |ctx| {

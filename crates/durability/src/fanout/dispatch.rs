@@ -80,16 +80,42 @@ where
         lanes: Lanes,
     ) -> Result<Batch, FanoutError> {
         let now = self.engine.now();
+        // The flow-control gate: how many this claim may take (0 when the
+        // target has no token left or is at its concurrency).
+        let limit = self.allowance(target_id, now);
+        let batch = Batch {
+            claims: Vec::new(),
+            terminal: Vec::new(),
+            range: None,
+        };
+        if limit == 0 {
+            return Ok(batch);
+        }
+        let batch = self.claim_up_to(sql, target_id, policy, lanes, limit, batch)?;
+        self.take_tokens(target_id, batch.claims.len(), now);
+        Ok(batch)
+    }
+
+    /// The claim itself, at most `limit` deliveries.
+    fn claim_up_to(
+        &self,
+        sql: &dyn Sql,
+        target_id: &str,
+        policy: &AttemptPolicy,
+        lanes: Lanes,
+        limit: usize,
+        mut batch: Batch,
+    ) -> Result<Batch, FanoutError> {
+        let now = self.engine.now();
         let timeout_ms = EpochMs::try_from(policy.attempt_timeout_ms).unwrap_or(EpochMs::MAX);
         let deadline = now.saturating_add(timeout_ms);
-        let limit = self.max_batch_size;
         {
-            let mut batch = Batch {
-                claims: Vec::new(),
-                terminal: Vec::new(),
-                range: None,
-            };
-            if let Some(cursor) = store::read_cursor(sql, target_id)? {
+            let cursor = store::read_cursor(sql, target_id)?;
+            // A paused target: nothing at all is taken, retries included.
+            if cursor.as_ref().is_some_and(|cursor| cursor.paused) {
+                return Ok(batch);
+            }
+            if let Some(cursor) = cursor {
                 match cursor.claim {
                     // Out with this pass or another, or back at its deadline.
                     Some(claim) if claim.deadline > now => {}
@@ -238,6 +264,9 @@ where
         let sql = self.engine.sql();
         let due = store::retries_due(sql, target_id, now, MISSING_TARGET_POSTPONE_BATCH)?;
         let cursor = store::read_cursor(sql, target_id)?;
+        if cursor.as_ref().is_some_and(|cursor| cursor.paused) {
+            return Ok(());
+        }
         let cursor_due = match &cursor {
             Some(cursor) => match cursor.claim {
                 Some(claim) => claim.deadline <= now,

@@ -66,6 +66,10 @@ pub enum FanoutError {
     /// registration; the whole claim rolled back.
     #[error("Fanout delivery is missing its message manifest: delivery {delivery}")]
     MissingManifest { delivery: String },
+    /// `pause_target` or `resume_target` named a target that is neither
+    /// configured nor owed anything: nothing was written.
+    #[error("Fanout target \"{target}\" is not configured and has no deliveries")]
+    UnknownTarget { target: String },
 }
 
 impl From<StorageError> for FanoutError {
@@ -90,6 +94,10 @@ impl From<FanoutError> for DurabilityError {
                     detail,
                 }
             }
+            FanoutError::UnknownTarget { target } => DurabilityError::UnknownHandler {
+                kind: "fanout target",
+                name: target,
+            },
         }
     }
 }

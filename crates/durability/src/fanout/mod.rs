@@ -78,7 +78,16 @@
 //! - **Layers.** `store` (SQL, no policy) at the bottom; `batch` (a claimed
 //!   batch in memory) on it; `dispatch` and `settle` on both, neither
 //!   calling the other; this module wires a pass: claim, hand over,
-//!   settle. A per-target gate (flow control) sits in front of the claim.
+//!   settle. A per-target gate (`flow`, flow control) sits in front of the
+//!   claim.
+//! - **Flow control** (issue 14; [`FlowControl`], [`FanoutBuilder::flow_control`],
+//!   [`Fanout::set_flow_control`], [`Fanout::pause_target`]). The gate only
+//!   decides how many deliveries a target's next claim may take; a target
+//!   it holds back claims nothing, so its cursor, rows and attempts stay as
+//!   they are: no message is dropped, dead-lettered or charged an attempt
+//!   because of a limit. Passes of different targets run concurrently and
+//!   a held-back pass returns at once, so a limited or paused target never
+//!   slows another.
 //! - **Reading.** `durability_fanout_deliveries` is a view of every owed
 //!   delivery in the reference's columns (the table it was before
 //!   migration 0013): tools, tests and memo ownership checks read it.
@@ -126,12 +135,59 @@
 //! - Enqueue rejections keep the reference's `name` and message and add
 //!   which message or target broke the rule.
 //!
+//! Flow control decisions (issue 14, where it is silent):
+//! - **Concurrency** counts deliveries handed over and not yet returned or
+//!   timed out. One batch of a target is out at a time (passes of a target
+//!   never overlap), so it caps the batch size; a concurrency above
+//!   `max_batch_size` adds no parallel batches. A consumer that outlives
+//!   its attempt timeout is no longer counted (it cannot be cancelled; its
+//!   late settlements are rejected), otherwise one hung call would stop its
+//!   target for good.
+//! - **Rate limit**: a token bucket per target holding `deliveries` tokens
+//!   (the largest burst), starting full, refilled continuously in integer
+//!   units (no drift: exactly `deliveries` per `interval`). Every delivery
+//!   handed over takes a token, retries included; dead letters sent to the
+//!   DLQ take none (they do not reach the target).
+//! - **Batched wake-ups**: a rate-limited target claims once it has a
+//!   batch's worth of tokens (`max_batch_size`, cut by its concurrency and
+//!   by the bucket's size), and reports exactly that time to the
+//!   scheduler's reconcile, so its timer or alarm fires when the tokens are
+//!   due, never by polling, and a limited target with a backlog costs one
+//!   claim per batch, not one per token. At 10/s with batches of 10 it gets
+//!   10 each second; at 50/s, 10 each 200 ms.
+//! - **Limits live in memory**: the builder's apply to each new instance,
+//!   [`Fanout::set_flow_control`] changes them until then (the tokens
+//!   earned stay, up to the new bucket; a target without a rate before
+//!   starts full). The bucket starts full after a restart, so a restart can
+//!   give one extra burst. A change applies from the next claim (a batch
+//!   already out finishes) and re-arms the alarm.
+//! - **Pause is durable** (migration 0015: a `paused` column on the
+//!   target's cursor). A paused target keeps accepting; nothing of it is
+//!   claimed (first deliveries, retries, dead-letter intent, a claim left
+//!   by a crash); it arms no alarm; its backlog stays in
+//!   [`Fanout::load`]'s `pending_deliveries` and the view of owed
+//!   deliveries. A batch already out when it is paused finishes. Pausing or
+//!   resuming is idempotent; a target neither configured nor owed anything
+//!   is [`FanoutError::UnknownTarget`], nothing written. A paused target
+//!   that is no longer configured is left paused (not postponed).
+//! - A range claimed before a crash comes back whole at its deadline (its
+//!   attempt counting needs the same range), even if it is larger than the
+//!   target's current limits; it empties the bucket.
+//! - The scheduler's due time is computed per target (one row per cursor:
+//!   a probe of its spans and of its exceptions' due index). A target whose
+//!   pass runs in this instance reports only its times still to come (its
+//!   claim's deadline, which brings a batch back after a crash); what of it
+//!   is already due is reported by one more reconcile when the pass ends:
+//!   a retry coming due while its target's batch is out would otherwise
+//!   fire the timer again and again.
+//!
 //! Owns the `durability_fanout_*` tables; all their SQL is in `store`.
 
 mod batch;
 mod dispatch;
 mod enqueue;
 mod error;
+mod flow;
 mod message;
 mod outcome;
 mod parked;
@@ -144,12 +200,13 @@ pub use error::{
     EnqueueRejection, FANOUT_ENQUEUE_ERROR, FANOUT_SETTLEMENT_ERROR, FANOUT_TIMEOUT_ERROR,
     FanoutConfigError, FanoutError, SettlementError,
 };
+pub use flow::FlowControl;
 pub use message::{Failure, FanoutMessage, Settling, StoredMessage};
 pub use outcome::{DeadLetterReason, SettlementOutcome};
 pub use target::Target;
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::rc::Rc;
@@ -176,6 +233,7 @@ use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::{Engine, Participant, Scheduler};
 use batch::SettleState;
 use dispatch::Lanes;
+use flow::Gate;
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
 
@@ -208,6 +266,7 @@ pub struct FanoutBuilder<B> {
     max_enqueue_messages: usize,
     routing: Option<Load>,
     hooks: Vec<LifecycleHook>,
+    flow: Vec<(String, FlowControl)>,
 }
 
 impl<B> FanoutBuilder<B>
@@ -303,6 +362,16 @@ where
         self
     }
 
+    /// Limits how fast target `target` gets deliveries (concurrency and a
+    /// rate, see [`FlowControl`]); the last call for a target wins.
+    /// Default: no limit. Change it while running with
+    /// [`Fanout::set_flow_control`]; pause a target with
+    /// [`Fanout::pause_target`].
+    pub fn flow_control(mut self, target: impl Into<String>, flow: FlowControl) -> Self {
+        self.flow.push((target.into(), flow));
+        self
+    }
+
     /// Validates the options, migrates the schema and attaches to the
     /// scheduler (one fanout per scheduler).
     pub fn build(self) -> Result<Fanout<B>, FanoutConfigError> {
@@ -369,6 +438,18 @@ where
         }
         let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         let engine = Rc::clone(&self.scheduler.engine);
+        let mut gates = HashMap::new();
+        for (id, flow) in self.flow {
+            if !targets.contains_key(&id) {
+                return Err(FanoutConfigError::InvalidTarget {
+                    id,
+                    rule: "flow_control names a target that is not configured",
+                });
+            }
+            let limits = flow.validate()?;
+            gates.insert(id, Gate::new(limits, engine.now()));
+        }
+        gates.retain(|_, gate: &mut Gate| !gate.is_open());
         let emitter = engine.prepare_records(FANOUT_CAPABILITY, FANOUT_MIGRATIONS, self.hooks)?;
         let routing = self
             .routing
@@ -385,7 +466,9 @@ where
             routing,
             emitter,
             running: RefCell::new(HashMap::new()),
+            deferred: RefCell::new(HashSet::new()),
             pending: Cell::new(None),
+            gates: RefCell::new(gates),
         });
         engine.register(&inner)?;
         Ok(Fanout { inner })
@@ -440,7 +523,83 @@ where
             max_enqueue_messages: limits::DEFAULT_MAX_ENQUEUE_MESSAGES,
             routing: None,
             hooks: Vec::new(),
+            flow: Vec::new(),
         }
+    }
+
+    /// Replaces the flow control of the configured target `target` while
+    /// running (`FlowControl::new()` lifts every limit). It applies from
+    /// the target's next claim: a batch already handed over finishes. The
+    /// tokens the target has earned stay (up to the new bucket's size); a
+    /// target that had no rate limit starts with a full bucket. Limits
+    /// live in memory: a new instance starts from its builder's.
+    pub fn set_flow_control(
+        &self,
+        target: &str,
+        flow: FlowControl,
+    ) -> Result<(), FanoutConfigError> {
+        if !self.inner.targets.contains_key(target) {
+            return Err(FanoutConfigError::InvalidTarget {
+                id: target.to_owned(),
+                rule: "set_flow_control names a target that is not configured",
+            });
+        }
+        let limits = flow.validate()?;
+        let now = self.inner.engine.now();
+        {
+            let mut gates = self.inner.gates.borrow_mut();
+            match gates.get_mut(target) {
+                Some(gate) => gate.change(limits, now),
+                None => {
+                    gates.insert(target.to_owned(), Gate::new(limits, now));
+                }
+            }
+            gates.retain(|_, gate| !gate.is_open());
+        }
+        // The object's alarm follows the new limits (a looser one may make
+        // the target due sooner); a failed reconcile leaves the alarm where
+        // it was, which only wakes the target later, and the next
+        // transaction reconciles again.
+        let refresh = self.inner.engine.schedule_next_alarm();
+        self.inner.engine.ctx.spawn(Box::pin(async move {
+            if let Err(error) = refresh.await {
+                tracing::warn!(
+                    event = "durability.fanout.flow_reconcile_failed",
+                    %error,
+                    "the alarm was not moved after a flow control change"
+                );
+            }
+        }));
+        Ok(())
+    }
+
+    /// Pauses `target` durably: it keeps accepting messages but nothing is
+    /// handed to it (first deliveries, retries, dead letters to the DLQ)
+    /// until [`Fanout::resume_target`], across evictions and restarts. Its
+    /// backlog stays counted in [`Fanout::load`]. A batch already handed
+    /// over finishes. Idempotent. A target neither configured nor owed
+    /// anything is [`FanoutError::UnknownTarget`].
+    pub async fn pause_target(&self, target: &str) -> Result<(), FanoutError> {
+        self.inner.set_paused(target, true).await
+    }
+
+    /// Resumes a paused target: its backlog is due at once, in order, under
+    /// its flow control. Idempotent.
+    pub async fn resume_target(&self, target: &str) -> Result<(), FanoutError> {
+        self.inner.set_paused(target, false).await
+    }
+
+    /// The deliveries still owed to `target` (paused or not): its share of
+    /// [`Fanout::load`]'s `pending_deliveries`. Counts its backlog on each
+    /// call (a walk of its owed deliveries): for operators and dashboards,
+    /// not for every request.
+    pub fn backlog(&self, target: &str) -> Result<u64, FanoutError> {
+        Ok(store::count_owed_of(self.inner.engine.sql(), target)?)
+    }
+
+    /// The paused targets, in order.
+    pub fn paused_targets(&self) -> Result<Vec<String>, FanoutError> {
+        Ok(store::paused_targets(self.inner.engine.sql())?)
     }
 
     /// The object's load now; `pending_deliveries` is the exact number of
@@ -489,6 +648,9 @@ pub(crate) struct Inner<B> {
     /// The target passes running in this instance: a pass for a target that
     /// already runs joins it instead of starting a second one.
     running: RefCell<HashMap<String, watch::Receiver<bool>>>,
+    /// Running targets a reconcile left out (`next_due`): their pass
+    /// reconciles once more when it ends.
+    deferred: RefCell<HashSet<String>>,
     /// The exact number of delivery rows, once counted. Counting the table
     /// on every enqueue costs O(backlog), which made a shard that fell
     /// behind fall further behind; so it is counted once and kept exact by
@@ -496,6 +658,9 @@ pub(crate) struct Inner<B> {
     /// transaction may have counted changes that rolled back, so it drops
     /// the count and the next read counts again.
     pending: Cell<Option<u64>>,
+    /// The flow control of the targets that have limits (`flow`); a target
+    /// without an entry is unlimited.
+    gates: RefCell<HashMap<String, Gate>>,
 }
 
 impl<B> Inner<B> {
@@ -539,6 +704,85 @@ impl<B> Inner<B> {
         Ok(self.routing.snapshot(self.pending_count()?))
     }
 
+    /// How many deliveries the next claim of `target` may take now: the
+    /// batch size, cut by the target's concurrency and tokens.
+    pub(crate) fn allowance(&self, target: &str, now: EpochMs) -> usize {
+        match self.gates.borrow_mut().get_mut(target) {
+            Some(gate) => gate.allowance(now, self.max_batch_size),
+            None => self.max_batch_size,
+        }
+    }
+
+    /// Takes the tokens of `deliveries` handed to `target`.
+    pub(crate) fn take_tokens(&self, target: &str, deliveries: usize, now: EpochMs) {
+        if deliveries == 0 {
+            return;
+        }
+        if let Some(gate) = self.gates.borrow_mut().get_mut(target) {
+            gate.take(deliveries, now);
+        }
+    }
+
+    /// The earliest time a target that is not paused has work it may take:
+    /// its due time, or when it has a batch's tokens if it is short of
+    /// them. A target whose pass runs in this instance reports only its
+    /// times still to come (a claim's deadline above all, which brings a
+    /// batch back after a crash); work of it already due is the running
+    /// pass's, or is reported by the reconcile that runs when the pass
+    /// ends. Otherwise a retry coming due while its target's batch is out
+    /// would fire the timer again and again, each run only joining the
+    /// running pass.
+    fn next_due(&self, sql: &dyn Sql) -> Result<Option<EpochMs>, StorageError> {
+        let now = self.engine.now();
+        let gates = self.gates.borrow();
+        let running = self.running.borrow();
+        let mut earliest: Option<EpochMs> = None;
+        for due in store::next_due_by_target(sql)? {
+            let times = [due.cursor, due.exceptions].into_iter().flatten();
+            let at = if running.contains_key(&due.target) {
+                let (later, now_due): (Vec<EpochMs>, Vec<EpochMs>) =
+                    times.partition(|at| *at > now);
+                if !now_due.is_empty() {
+                    self.deferred.borrow_mut().insert(due.target.clone());
+                }
+                later.into_iter().min()
+            } else {
+                times.min()
+            };
+            let Some(at) = at else {
+                continue;
+            };
+            let at = match gates.get(&due.target) {
+                Some(gate) => at.max(gate.next_token_at(now, self.max_batch_size)),
+                None => at,
+            };
+            earliest = Some(earliest.map_or(at, |e| e.min(at)));
+        }
+        Ok(earliest)
+    }
+
+    async fn set_paused(&self, target: &str, paused: bool) -> Result<(), FanoutError> {
+        let configured = self.targets.contains_key(target);
+        self.transaction(|sql| {
+            if !configured && store::read_cursor(sql, target)?.is_none() {
+                return Err(FanoutError::UnknownTarget {
+                    target: target.to_owned(),
+                });
+            }
+            if store::set_paused(sql, target, paused)? {
+                tracing::info!(
+                    event = "durability.fanout.target_paused",
+                    target,
+                    paused,
+                    "fanout target {}",
+                    if paused { "paused" } else { "resumed" }
+                );
+            }
+            Ok(())
+        })
+        .await
+    }
+
     /// When a first delivery accepted at `created_at` is due: at once, or at
     /// the next multiple of the batch delay, so that everything accepted in
     /// one window becomes due at the same instant.
@@ -563,7 +807,8 @@ fn entity(message_id: &str, target: &str, generation: &str) -> Entity {
 }
 
 /// The scheduler sees fanout as one participant: its due time is the
-/// earliest of its exception rows and its cursors (`store::next_due`).
+/// earliest of its targets' (`store::next_due_by_target`), paused targets
+/// left out and rate-limited ones at their next token.
 impl<B> Participant for Inner<B>
 where
     B: Serialize + DeserializeOwned + 'static,
@@ -584,7 +829,7 @@ where
         &self,
         sql: &dyn Sql,
     ) -> Option<Result<Option<EpochMs>, StorageError>> {
-        Some(store::next_due(sql))
+        Some(self.next_due(sql))
     }
 }
 
@@ -619,8 +864,8 @@ impl<B> Inner<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// One pass over every target that has a cursor (configured or not),
-    /// the targets concurrently. Fails with the first failing target; the
+    /// One pass over every target that has a cursor (configured or not)
+    /// and is not paused, the targets concurrently. Fails with the first failing target; the
     /// others still finish.
     pub(crate) async fn run_due(self: Rc<Self>) -> Result<(), FanoutError> {
         let targets = store::list_targets(self.engine.sql())?;
@@ -664,6 +909,12 @@ where
             async move {
                 let result = inner.run_target(&target).await;
                 drop(guard);
+                let deferred = inner.deferred.borrow_mut().remove(&target);
+                if deferred {
+                    // A transaction of its own: a shared refresh may have
+                    // begun while the pass still ran.
+                    inner.transaction(|_| Ok::<_, StorageError>(())).await?;
+                }
                 result
             }
             .instrument(span),

@@ -149,6 +149,9 @@ pub(crate) struct Cursor {
     pub claim: Option<CursorClaim>,
     /// First deliveries of a target that is not configured wait until then.
     pub paused_until: EpochMs,
+    /// Paused by the application (flow control): nothing of the target is
+    /// claimed until it is resumed.
+    pub paused: bool,
 }
 
 /// The messages `[next_seq, end)` of a cursor handed to its target as
@@ -375,11 +378,11 @@ pub(crate) fn insert_span(
     Ok(())
 }
 
-/// Every target that has a cursor, in order (a small table: one row per
-/// target ever named).
+/// Every target that has a cursor and is not paused, in order (a small
+/// table: one row per target ever named). A paused target gets no pass.
 pub(crate) fn list_targets(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
     sql.query(
-        "SELECT target_id FROM durability_fanout_cursors ORDER BY target_id",
+        "SELECT target_id FROM durability_fanout_cursors WHERE paused = 0 ORDER BY target_id",
         &[],
     )?
     .iter()
@@ -390,7 +393,7 @@ pub(crate) fn list_targets(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
 /// The cursor of `target` (primary key).
 pub(crate) fn read_cursor(sql: &dyn Sql, target: &str) -> Result<Option<Cursor>, FanoutError> {
     let Some(row) = sql.query_row(
-        "SELECT next_seq, claim_end, claim_attempt, claim_deadline, paused_until \
+        "SELECT next_seq, claim_end, claim_attempt, claim_deadline, paused_until, paused \
          FROM durability_fanout_cursors WHERE target_id = ?",
         &params![target],
     )?
@@ -411,6 +414,7 @@ pub(crate) fn read_cursor(sql: &dyn Sql, target: &str) -> Result<Option<Cursor>,
                 None => None,
             },
             paused_until: row.get(4)?,
+            paused: row.get::<i64>(5)? != 0,
         })
     })();
     decoded
@@ -578,28 +582,77 @@ pub(crate) fn pause_cursor(
     Ok(())
 }
 
-/// The earliest time any delivery is due: a pending exception's
-/// (`durability_fanout_exceptions_next_idx`, one probe), a cursor's claim
-/// deadline, or the due time of the first span of a cursor (one probe of
-/// the spans' primary key per target).
-const NEXT_DUE_SQL: &str = "SELECT \
-       (SELECT min(next_attempt_at) FROM durability_fanout_exceptions \
-        WHERE status = 'pending'), \
-       (SELECT min(CASE WHEN c.claim_end IS NOT NULL THEN c.claim_deadline ELSE max( \
-          (SELECT s.due_at FROM durability_fanout_spans s WHERE s.target_id = c.target_id \
-           ORDER BY s.first_seq LIMIT 1), c.paused_until) END) \
-        FROM durability_fanout_cursors c)";
+/// Pauses (or resumes) `target` for good, giving it a cursor if it has
+/// none; primary key. Returns whether it changed anything.
+pub(crate) fn set_paused(sql: &dyn Sql, target: &str, paused: bool) -> Result<bool, StorageError> {
+    ensure_cursor(sql, target)?;
+    let changed = sql.execute(
+        "UPDATE durability_fanout_cursors SET paused = ? WHERE target_id = ? AND paused <> ?",
+        &params![i64::from(paused), target, i64::from(paused)],
+    )?;
+    Ok(changed > 0)
+}
 
-pub(crate) fn next_due(sql: &dyn Sql) -> Result<Option<EpochMs>, StorageError> {
-    let Some(row) = sql.query_row(NEXT_DUE_SQL, &[])? else {
-        return Ok(None);
-    };
-    let exceptions: Option<EpochMs> = row.get(0)?;
-    let cursors: Option<EpochMs> = row.get(1)?;
-    Ok(match (exceptions, cursors) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    })
+/// The targets paused by the application, in order.
+pub(crate) fn paused_targets(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {
+    sql.query(
+        "SELECT target_id FROM durability_fanout_cursors WHERE paused <> 0 ORDER BY target_id",
+        &[],
+    )?
+    .iter()
+    .map(|row| row.get(0))
+    .collect()
+}
+
+/// When each target that is not paused next has something due: its
+/// cursor's claim deadline or the due time of its first span (one probe of
+/// the spans' primary key), and its earliest pending exception (one probe
+/// of `durability_fanout_exceptions_due_idx`). One row per target (a small
+/// table: one row per target ever named); a paused target arms nothing.
+const NEXT_DUE_SQL: &str = "SELECT c.target_id, \
+       CASE WHEN c.claim_end IS NOT NULL THEN c.claim_deadline ELSE max( \
+          (SELECT s.due_at FROM durability_fanout_spans s WHERE s.target_id = c.target_id \
+           ORDER BY s.first_seq LIMIT 1), c.paused_until) END, \
+       (SELECT min(e.next_attempt_at) FROM durability_fanout_exceptions e \
+        WHERE e.target_id = c.target_id AND e.status = 'pending') \
+     FROM durability_fanout_cursors c WHERE c.paused = 0";
+
+/// When each target that is not paused has something due: (target, its
+/// cursor's time, its earliest exception's), a target with neither left out.
+pub(crate) fn next_due_by_target(sql: &dyn Sql) -> Result<Vec<TargetDue>, StorageError> {
+    let mut due = Vec::new();
+    for row in sql.query(NEXT_DUE_SQL, &[])?.iter() {
+        let cursor: Option<EpochMs> = row.get(1)?;
+        let exceptions: Option<EpochMs> = row.get(2)?;
+        if cursor.is_some() || exceptions.is_some() {
+            due.push(TargetDue {
+                target: row.get(0)?,
+                cursor,
+                exceptions,
+            });
+        }
+    }
+    Ok(due)
+}
+
+/// One row of [`next_due_by_target`].
+pub(crate) struct TargetDue {
+    pub target: String,
+    /// Its claim's deadline, or when its first span is due.
+    pub cursor: Option<EpochMs>,
+    /// Its earliest pending exception.
+    pub exceptions: Option<EpochMs>,
+}
+
+/// Counts the owed deliveries of `target` (the view): walks its backlog.
+pub(crate) fn count_owed_of(sql: &dyn Sql, target: &str) -> Result<u64, StorageError> {
+    match sql.query_row(
+        "SELECT COUNT(*) FROM durability_fanout_deliveries WHERE target_id = ?",
+        &params![target],
+    )? {
+        Some(row) => row.get(0),
+        None => Ok(0),
+    }
 }
 
 /// Counts every owed delivery (the view). Walks the backlog: run it once
@@ -1113,9 +1166,11 @@ mod tests {
                             ),
                             (
                                 "next due",
+                                // One row per target (cursors), each a
+                                // probe of its spans and its exceptions.
                                 plan(sql, NEXT_DUE_SQL, &[]),
                                 vec![
-                                    "durability_fanout_exceptions_next_idx",
+                                    "SEARCH e USING COVERING INDEX durability_fanout_exceptions_due_idx",
                                     "SEARCH s USING PRIMARY KEY",
                                 ],
                                 false,
