@@ -21,6 +21,8 @@ pub mod record;
 pub mod retry;
 pub mod routing;
 pub mod scheduler;
+pub mod state;
+pub mod telemetry;
 
 pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};

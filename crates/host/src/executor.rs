@@ -342,6 +342,7 @@ impl Executor {
         f: F,
         reply: tokio::sync::oneshot::Sender<Result<R, CallError>>,
         guard: crate::work::WorkGuard,
+        span: tracing::Span,
     ) where
         T: DurableObject,
         F: FnOnce(Rc<T>) -> Fut + 'static,
@@ -366,12 +367,13 @@ impl Executor {
                 }
             };
             let activity = slot.state.begin_call();
-            slot.state.spawn_tracked(Box::pin(async move {
+            let run = async move {
                 let result = f(object).await;
                 let _ = reply.send(Ok(result));
                 drop(activity);
                 drop(guard);
-            }));
+            };
+            slot.state.spawn_tracked(Box::pin(run.instrument(span)));
         });
         self.with_object(id, namespace, Some(name), caller, then);
     }
@@ -577,6 +579,8 @@ impl Executor {
             self.core.idle_timeout,
         );
         state.spawn_tracked(Box::pin(watcher));
+        crate::telemetry::constructed(namespace);
+        crate::telemetry::live_objects(self.core.residency.live());
         Ok(slot)
     }
 
@@ -589,6 +593,8 @@ impl Executor {
         slot.state.abort_all();
         slot.ctx.object_storage().close();
         self.core.residency.left(id);
+        crate::telemetry::evicted();
+        crate::telemetry::live_objects(self.core.residency.live());
         tracing::debug!(object = %id, "object evicted");
         true
     }
@@ -760,6 +766,8 @@ impl Executor {
             retry_count: entry.retry_count,
             is_retry: entry.retry_count > 0,
         };
+        let lateness_ms = (entry.retry_count == 0).then(|| now_ms.saturating_sub(entry.at_ms));
+        crate::telemetry::alarm_fired(&entry.namespace, lateness_ms);
         let span = tracing::info_span!(
             "alarm",
             object = %id,

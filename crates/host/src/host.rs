@@ -604,15 +604,28 @@ impl<T: DurableObject> Stub<T> {
         // A call from an object's own code: if it must wait for room, the
         // caller stays busy meanwhile, which the live-object cap must know.
         let caller = executor::current_object();
-        let job: Job =
-            Box::new(move |e| e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard));
+        // The call's span on the object's thread is a child of the caller's
+        // span, so a trace follows a request into the object.
+        let span = tracing::info_span!(
+            parent: tracing::Span::current(),
+            "call",
+            object = %self.id,
+            namespace = %self.namespace,
+            name = %self.name,
+        );
+        let started = std::time::Instant::now();
+        let job: Job = Box::new(move |e| {
+            e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard, span)
+        });
         self.host
             .send(&self.id, job)
             .map_err(|_| CallError::ShuttingDown)?;
-        rx.await.unwrap_or_else(|_| {
+        let reply = rx.await.unwrap_or_else(|_| {
             Err(CallError::Aborted {
                 id: self.id.to_string(),
             })
-        })
+        });
+        crate::telemetry::call_finished(&self.namespace, started.elapsed());
+        reply
     }
 }

@@ -100,6 +100,9 @@ impl AlarmIndex {
                 .map_err(storage_error)?;
             guard.current = wanted;
         }
+        if write.is_some() && wanted == Synchronous::Full {
+            crate::telemetry::fsynced();
+        }
         f(&guard.conn).map_err(storage_error)
     }
 

@@ -14,7 +14,7 @@
 //! (the host-wide cap on live objects and its LRU), `storage` (one
 //! object's database and alarm), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
-//! listing of a data directory).
+//! listing of a data directory), [`telemetry`] (metric names).
 //!
 //! [`Host`] opens with a runnable example: a namespace, a stub, a call.
 
@@ -30,6 +30,7 @@ mod index;
 pub mod inspect;
 mod residency;
 mod storage;
+pub mod telemetry;
 mod work;
 
 use std::future::Future;

@@ -78,6 +78,8 @@ pub(crate) struct ObjectStorage {
     hidden: Cell<bool>,
     /// Whether the alarm was set or deleted since the handler started.
     changed: Cell<bool>,
+    /// Whether a commit syncs the WAL (`synchronous=FULL`), for the metrics.
+    syncs_on_commit: bool,
 }
 
 impl ObjectStorage {
@@ -141,6 +143,7 @@ impl ObjectStorage {
             aborted: RefCell::new(None),
             hidden: Cell::new(false),
             changed: Cell::new(false),
+            syncs_on_commit: synchronous == Synchronous::Full,
         };
         Ok((storage, recorded))
     }
@@ -334,6 +337,7 @@ impl ObjectStorage {
             self.rollback();
             return Err(error);
         }
+        crate::telemetry::committed(self.syncs_on_commit);
         if let Some(alarm) = pending {
             self.alarm_committed(alarm);
         }

@@ -426,11 +426,10 @@ impl<B> Inner<B> {
         result
     }
 
-    /// Emits the event `event` builds, building it only when a hook listens.
+    /// Emits the event `event` builds. Built even when no hook listens:
+    /// the metrics (`crate::telemetry`) count every event.
     fn emit(&self, event: impl FnOnce() -> LifecycleEvent) {
-        if self.emitter.has_hooks() {
-            self.emitter.emit(&event());
-        }
+        self.emitter.emit(&event());
     }
 
     /// Changes the cached count inside a transaction body.

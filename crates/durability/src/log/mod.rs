@@ -829,6 +829,7 @@ where
             last_offset = offsets.last().copied(),
             "append committed"
         );
+        crate::telemetry::log_appended(offsets.len());
         Ok((Ok(offsets), pending))
     }
 
@@ -863,6 +864,7 @@ where
                 read.max_bytes.unwrap_or(u64::MAX),
             )
             .await?;
+        crate::telemetry::log_read(page.records.len());
         Ok(LogPage {
             records: page
                 .records
@@ -898,7 +900,7 @@ where
         require_consumer(consumer)?;
         require_offset("offset", offset)?;
         let now = self.inner.engine.now();
-        self.inner.engine.transaction_sync(|sql| {
+        let next_offset = self.inner.engine.transaction_sync(|sql| {
             let next_offset = store::seq(sql)?.next_offset;
             if offset > next_offset {
                 return Err(LogError::CommitBeyondEnd {
@@ -908,8 +910,10 @@ where
                 });
             }
             store::advance_cursor(sql, consumer, offset, now)?;
-            Ok(())
-        })
+            Ok(next_offset)
+        })?;
+        crate::telemetry::log_consumer_lag(consumer, next_offset - offset);
+        Ok(())
     }
 
     /// Every consumer's committed offset, by consumer name.
@@ -925,7 +929,9 @@ where
     /// record unreadable). Returns how many records left the hot table.
     /// Never runs by itself; call it from a named alarm.
     pub async fn trim(&self) -> Result<u64, LogError> {
-        retention::trim(&self.inner).await
+        let trimmed = retention::trim(&self.inner).await?;
+        crate::telemetry::log_trimmed(trimmed);
+        Ok(trimmed)
     }
 
     /// Forgets the cold segments that end below `offset`, the way an
