@@ -2,14 +2,15 @@
 //! the capabilities, and the only code of the workspace that prints to the
 //! terminal.
 //!
-//! Each subcommand lives in its own module (`demo`, `inspect`, `bench`,
-//! `torture`) with
+//! Each subcommand lives in its own module (`demo`, `inspect`, `serve`,
+//! `bench`, `torture`) with
 //! its own clap arguments and its own error type; this file only parses the
 //! command line, sets up logging and turns an error into an exit code.
 
 mod bench;
 mod demo;
 mod inspect;
+mod serve;
 mod torture;
 
 use std::error::Error as _;
@@ -36,6 +37,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// List every object of a data directory without constructing any.
     Inspect(inspect::InspectArgs),
+    /// Serve the dashboard of a data directory, read-only, without
+    /// constructing any object (`/` is the page, `/api/objects` the JSON).
+    Serve(serve::ServeArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     Bench(bench::BenchArgs),
     /// Kill a workload's process with SIGKILL again and again, then check
@@ -54,6 +58,8 @@ enum CliError {
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
     Inspect(#[from] inspect::InspectError),
+    #[error(transparent)]
+    Serve(#[from] serve::ServeError),
     #[error(transparent)]
     Bench(#[from] bench::BenchError),
     #[error(transparent)]
@@ -74,6 +80,7 @@ fn main() -> ExitCode {
     let outcome: Result<String, CliError> = match cli.command {
         Command::Demo(args) => demo::run(&args).map_err(CliError::from),
         Command::Inspect(args) => inspect::run(&args).map_err(CliError::from),
+        Command::Serve(args) => serve::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
         // A torture verdict is printed whether it passed or not; the exit
         // code says which.
@@ -111,6 +118,11 @@ fn fail(error: &CliError) -> ExitCode {
 /// Prints a command's output. A closed pipe (`durability inspect DIR | head`)
 /// is the reader's choice, not a failure; any other write error is.
 fn print(text: &str) -> ExitCode {
+    // A command that printed as it went (`serve`, `demo --serve`) has
+    // nothing left to say.
+    if text.is_empty() {
+        return ExitCode::SUCCESS;
+    }
     let mut stdout = std::io::stdout().lock();
     match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
         Ok(()) => ExitCode::SUCCESS,

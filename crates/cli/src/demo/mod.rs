@@ -70,6 +70,10 @@ pub struct DemoArgs {
     /// Print the summary as one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Serve the dashboard (and Prometheus `/metrics`) on ADDR while the
+    /// mail flows, and keep serving after the run until Ctrl-C.
+    #[arg(long, value_name = "ADDR")]
+    serve: Option<std::net::SocketAddr>,
     /// Test hook: stop producing after this many accepted batches and wait
     /// to be killed.
     #[arg(long, hide = true, value_name = "BATCHES")]
@@ -158,6 +162,11 @@ pub enum DemoError {
     },
     #[error("a demo task failed: {message}")]
     Task { message: String },
+    #[error("cannot serve the dashboard")]
+    Serve {
+        #[from]
+        source: crate::serve::ServeError,
+    },
     #[error("cannot listen for Ctrl-C")]
     Signal {
         #[source]
@@ -226,10 +235,19 @@ async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
     // The host's default threads, one per core: more do not help, the run
     // is bound by the disk's syncs (each archived mail is a file sync and
     // an ack commit).
+    // Installed before the host exists, so its first objects are counted.
+    let metrics = match args.serve {
+        Some(_) => Some(crate::serve::install_metrics()?),
+        None => None,
+    };
     let host = Host::builder(&args.data_dir)
         .shutdown_grace(SHUTDOWN_GRACE)
         .build()?;
     let mailboxes = host.namespace(NAMESPACE, move |ctx| Mailbox::new(ctx, Arc::clone(&shared)))?;
+    let serving = match (args.serve, metrics) {
+        (Some(addr), Some(metrics)) => Some(serve_dashboard(&host, addr, metrics).await?),
+        _ => None,
+    };
     let shards = (0..u64::from(plan.shards))
         .map(|n| mailboxes.stub(&producer::shard_name(n)))
         .collect::<Result<Vec<_>, _>>()?;
@@ -262,16 +280,57 @@ async fn demo(args: &DemoArgs) -> Result<String, DemoError> {
     };
     // Shut down after a failure too, so every file is closed cleanly.
     host.shutdown().await;
-    let summary = outcome?;
+    let summary = match outcome {
+        Ok(summary) => summary,
+        Err(error) => {
+            if let Some(serving) = serving {
+                serving.stop().await?;
+            }
+            return Err(error);
+        }
+    };
     facts::write_json_atomically(&run.opened.paths.summary(), &summary)?;
-    if args.json {
+    let text = if args.json {
         serde_json::to_string_pretty(&summary).map_err(|source| DemoError::Encode {
             what: "the summary",
             source,
-        })
+        })?
     } else {
-        Ok(summary.render())
-    }
+        summary.render()
+    };
+    let Some(serving) = serving else {
+        return Ok(text);
+    };
+    // The page keeps showing the run's final state until the user is done.
+    println!("{text}");
+    eprintln!(
+        "the run is over; the dashboard stays at http://{}/ until Ctrl-C",
+        serving.addr
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .map_err(|source| DemoError::Signal { source })?;
+    serving.stop().await?;
+    Ok(String::new())
+}
+
+/// Mounts the dashboard over the demo's host, with `/metrics`.
+async fn serve_dashboard(
+    host: &Host,
+    addr: std::net::SocketAddr,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<crate::serve::Serving, DemoError> {
+    let router = durability_axum::Dashboard::for_host(host)
+        .title("durability demo")
+        .prometheus(metrics)
+        .build()
+        .map_err(|source| crate::serve::ServeError::Dashboard { source })?;
+    let serving = crate::serve::Serving::start(addr, router).await?;
+    eprintln!(
+        "dashboard: http://{}/ (JSON at /api/objects, Prometheus at /metrics)",
+        serving.addr
+    );
+    Ok(serving)
 }
 
 impl Run {
