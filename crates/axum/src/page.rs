@@ -12,6 +12,8 @@ use crate::view::{self, ObjectView};
 
 /// What the page says about where it runs.
 pub(crate) struct Context<'a> {
+    /// The page's path with a trailing slash: links and fetches go below it.
+    pub base: String,
     pub title: &'a str,
     pub now_ms: EpochMs,
     pub refresh_ms: u64,
@@ -75,13 +77,13 @@ pub(crate) fn full(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
     let title = escape(ctx.title);
     let mut notes = Vec::new();
     if ctx.read_only {
-        notes.push("read-only view of a data directory");
+        notes.push("read-only view of a data directory".to_owned());
     }
     if ctx.admin {
-        notes.push("admin API enabled (token required)");
+        notes.push("admin API enabled (token required)".to_owned());
     }
     if ctx.metrics {
-        notes.push("Prometheus metrics at metrics");
+        notes.push(format!("Prometheus metrics at {}metrics", ctx.base));
     }
     format!(
         r#"<!doctype html>
@@ -90,12 +92,12 @@ pub(crate) fn full(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
 <title>{title}</title><style>{STYLE}</style></head>
 <body><header><h1>{title}</h1><span class="meta">{notes}</span>
 <span class="meta" id="updated"></span></header>
-<main id="live" data-refresh-ms="{refresh}">{body}</main>
-<footer>JSON: <a href="api/objects">api/objects</a> · refreshes every {refresh_s} s</footer>
+<main id="live" data-refresh-ms="{refresh}" data-base="{base}">{body}</main>
+<footer>JSON: <a href="{base}api/objects">{base}api/objects</a> · refreshes every {refresh_s} s</footer>
 <script>
 (function () {{
   var live = document.getElementById('live');
-  var base = location.pathname.replace(/\/?$/, '/');
+  var base = live.dataset.base;
   var every = Number(live.dataset.refreshMs) || 2000;
   function refresh() {{
     fetch(base + 'fragment', {{ cache: 'no-store' }})
@@ -112,6 +114,7 @@ pub(crate) fn full(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
 </script></body></html>"#,
         notes = escape(&notes.join(" · ")),
         refresh = ctx.refresh_ms,
+        base = escape(&ctx.base),
         refresh_s = ctx.refresh_ms as f64 / 1_000.0,
         body = body(ctx, objects),
     )

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Path, State as Extract};
+use axum::extract::{OriginalUri, Path, State as Extract};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -75,8 +75,9 @@ fn now_ms(state: &State) -> EpochMs {
     }
 }
 
-fn context(state: &State) -> page::Context<'_> {
+fn context(state: &State, base: String) -> page::Context<'_> {
     page::Context {
+        base,
         title: &state.title,
         now_ms: now_ms(state),
         refresh_ms: u64::try_from(state.refresh.as_millis()).unwrap_or(u64::MAX),
@@ -96,16 +97,28 @@ fn has_metrics(_: &State) -> bool {
     false
 }
 
-async fn index(Extract(state): Extract<Shared>) -> Response {
+/// The page's own path with a trailing slash, whatever prefix the
+/// application nested the router under (`/durability` gives
+/// `/durability/`), so its links and fetches resolve below it.
+fn base_of(uri: &axum::http::Uri) -> String {
+    let path = uri.path();
+    if path.ends_with('/') {
+        path.to_owned()
+    } else {
+        format!("{path}/")
+    }
+}
+
+async fn index(Extract(state): Extract<Shared>, OriginalUri(uri): OriginalUri) -> Response {
     match read_objects(&state).await {
-        Ok(objects) => Html(page::full(&context(&state), &objects)).into_response(),
+        Ok(objects) => Html(page::full(&context(&state, base_of(&uri)), &objects)).into_response(),
         Err(response) => response,
     }
 }
 
 async fn fragment(Extract(state): Extract<Shared>) -> Response {
     match read_objects(&state).await {
-        Ok(objects) => Html(page::body(&context(&state), &objects)).into_response(),
+        Ok(objects) => Html(page::body(&context(&state, String::new()), &objects)).into_response(),
         Err(response) => response,
     }
 }
