@@ -405,7 +405,8 @@ impl Operations {
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
             let id = id.to_owned();
-            engine.ctx.wait_until(Box::pin(async move {
+            // Run in the caller's span, so the attempt links to the producer.
+            engine.ctx.wait_until(Box::pin(tracing::Instrument::in_current_span(async move {
                 if let Err(error) = run.execute(&id, Some(permit)).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
@@ -424,7 +425,7 @@ impl Operations {
                         "re-arming after an eager start failed"
                     );
                 }
-            }));
+            })));
         }
         Ok(Registration::Created)
     }

@@ -273,6 +273,14 @@ where
             .collect();
         for state in &states {
             let row = &state.claim.row;
+            tracing::debug!(
+                event = "durability.fanout.delivering",
+                id = %state.claim.message_id,
+                target = %row.target_id,
+                generation = %row.generation,
+                attempt = row.attempt,
+                "delivering"
+            );
             self.emit(|| LifecycleEvent::AttemptStarted {
                 entity: entity(&state.claim.message_id, &row.target_id, &row.generation),
                 timestamp: started_at,

@@ -410,7 +410,16 @@ where
             return;
         }
         let inner = Rc::clone(self);
-        self.engine.ctx.wait_until(Box::pin(async move {
+        // The first pass is linked to the producer's span, so a trace leads
+        // from the request that enqueued to the deliveries it caused.
+        let span = tracing::info_span!(
+            parent: None,
+            "fanout_after_enqueue",
+            object = %self.engine.ctx.id(),
+            deliveries = registered.len(),
+        );
+        span.follows_from(&tracing::Span::current());
+        self.engine.ctx.wait_until(Box::pin(tracing::Instrument::instrument(async move {
             let result = match Rc::clone(&inner).run_due().await {
                 Ok(()) => inner
                     .engine
@@ -426,6 +435,6 @@ where
                     "background fanout pass failed"
                 );
             }
-        }));
+        }, span)));
     }
 }
