@@ -145,7 +145,10 @@ impl ShardCaller for Mailboxes {
             let reply = stub?
                 .call(move |mailbox: Rc<Mailbox>| async move {
                     let input = FanoutInput::new(mail);
-                    mailbox.fanout.enqueue(vec![input], &EnqueueOptions::all()).await
+                    mailbox
+                        .fanout
+                        .enqueue(vec![input], &EnqueueOptions::all())
+                        .await
                 })
                 .await??;
             Ok(reply)
@@ -237,7 +240,12 @@ fn arguments() -> Result<(SocketAddr, Option<PathBuf>), BoxError> {
         match (arg.as_str(), args.next()) {
             ("--listen", Some(addr)) => listen = addr.parse()?,
             ("--data-dir", Some(dir)) => data_dir = Some(PathBuf::from(dir)),
-            _ => return Err(format!("usage: axum_service [--listen ADDR] [--data-dir DIR]; got {arg:?}").into()),
+            _ => {
+                return Err(format!(
+                    "usage: axum_service [--listen ADDR] [--data-dir DIR]; got {arg:?}"
+                )
+                .into());
+            }
         }
     }
     Ok((listen, data_dir))
@@ -258,8 +266,8 @@ async fn main() -> Result<(), BoxError> {
         .build()?;
     let mailboxes = host.namespace("mailbox", Mailbox::new)?;
     let clock = host.clone();
-    let client = RoutingClient::builder(Mailboxes(mailboxes.clone()), move || clock.now_ms())
-        .build()?;
+    let client =
+        RoutingClient::builder(Mailboxes(mailboxes.clone()), move || clock.now_ms()).build()?;
 
     let mut dashboard = Dashboard::for_host(&host)
         .title("mail service")

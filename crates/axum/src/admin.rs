@@ -56,8 +56,8 @@ impl AdminError {
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 /// An action over a list of parked delivery ids; returns how many it
 /// changed.
-pub(crate) type IdsActionRef = IdsAction;
-type IdsAction = Arc<dyn Fn(ObjectRef, Vec<String>) -> BoxFuture<Result<u64, AdminError>> + Send + Sync>;
+pub(crate) type IdsAction =
+    Arc<dyn Fn(ObjectRef, Vec<String>) -> BoxFuture<Result<u64, AdminError>> + Send + Sync>;
 /// An action with a cutoff time; returns how many it removed.
 type BeforeAction =
     Arc<dyn Fn(ObjectRef, EpochMs) -> BoxFuture<Result<u64, AdminError>> + Send + Sync>;

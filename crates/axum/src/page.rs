@@ -132,12 +132,42 @@ pub(crate) fn body(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
     };
     tile(&mut html, o.objects.to_string(), "objects", "");
     tile(&mut html, o.backlog.to_string(), "fanout backlog", "");
-    tile(&mut html, o.retrying.to_string(), "waiting for retry", if o.retrying > 0 { "warn" } else { "" });
-    tile(&mut html, o.parked.to_string(), "parked", if o.parked > 0 { "bad" } else { "" });
-    tile(&mut html, o.operations_pending.to_string(), "operations pending", "");
-    tile(&mut html, o.operations_failed.to_string(), "operations failed", if o.operations_failed > 0 { "bad" } else { "" });
-    tile(&mut html, o.alarms_pending.to_string(), "alarms pending", "");
-    tile(&mut html, o.max_consumer_lag.to_string(), "max consumer lag", "");
+    tile(
+        &mut html,
+        o.retrying.to_string(),
+        "waiting for retry",
+        if o.retrying > 0 { "warn" } else { "" },
+    );
+    tile(
+        &mut html,
+        o.parked.to_string(),
+        "parked",
+        if o.parked > 0 { "bad" } else { "" },
+    );
+    tile(
+        &mut html,
+        o.operations_pending.to_string(),
+        "operations pending",
+        "",
+    );
+    tile(
+        &mut html,
+        o.operations_failed.to_string(),
+        "operations failed",
+        if o.operations_failed > 0 { "bad" } else { "" },
+    );
+    tile(
+        &mut html,
+        o.alarms_pending.to_string(),
+        "alarms pending",
+        "",
+    );
+    tile(
+        &mut html,
+        o.max_consumer_lag.to_string(),
+        "max consumer lag",
+        "",
+    );
     html.push_str("</section>");
     if objects.is_empty() {
         html.push_str(r#"<p class="empty">No objects in this data directory yet.</p>"#);
@@ -154,9 +184,10 @@ pub(crate) fn body(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
 fn object_card(html: &mut String, ctx: &Context<'_>, object: &ObjectView) {
     let name = object.name.as_deref().unwrap_or("(unnamed)");
     let namespace = object.namespace.as_deref().unwrap_or("?");
-    let alarm = object
-        .alarm_ms
-        .map_or_else(|| "no alarm".to_owned(), |at| format!("alarm {}", relative(at, ctx.now_ms)));
+    let alarm = object.alarm_ms.map_or_else(
+        || "no alarm".to_owned(),
+        |at| format!("alarm {}", relative(at, ctx.now_ms)),
+    );
     let _ = write!(
         html,
         r#"<article class="object" data-object-id="{id}"><h2><span class="ns">{ns} /</span> {name}</h2>
@@ -183,14 +214,23 @@ fn object_card(html: &mut String, ctx: &Context<'_>, object: &ObjectView) {
     if let Some(log) = &c.log {
         log_section(html, log);
     }
-    if c.fanout.is_none() && c.operations.is_none() && c.alarms.is_none() && c.log.is_none() && object.error.is_none() {
+    if c.fanout.is_none()
+        && c.operations.is_none()
+        && c.alarms.is_none()
+        && c.log.is_none()
+        && object.error.is_none()
+    {
         html.push_str(r#"<p class="empty">no capability tables</p>"#);
     }
     html.push_str("</article>");
 }
 
 fn fanout_section(html: &mut String, ctx: &Context<'_>, fanout: &FanoutState) {
-    let _ = write!(html, "<h3>fanout · {} messages in flight</h3>", fanout.messages);
+    let _ = write!(
+        html,
+        "<h3>fanout · {} messages in flight</h3>",
+        fanout.messages
+    );
     if fanout.targets.is_empty() {
         html.push_str(r#"<p class="empty">nothing owed</p>"#);
     } else {
@@ -258,7 +298,8 @@ fn operations_section(html: &mut String, ctx: &Context<'_>, ops: &OperationsStat
                 escape(&f.id),
                 escape(&f.operation),
                 f.attempts,
-                f.failed_at.map_or_else(String::new, |at| relative(at, ctx.now_ms)),
+                f.failed_at
+                    .map_or_else(String::new, |at| relative(at, ctx.now_ms)),
                 escape(f.error.as_deref().unwrap_or("")),
             );
         }
@@ -299,7 +340,9 @@ fn log_section(html: &mut String, log: &LogState) {
     if log.consumers.is_empty() {
         return;
     }
-    html.push_str(r#"<table><tr><th>consumer</th><th class="num">offset</th><th class="num">lag</th></tr>"#);
+    html.push_str(
+        r#"<table><tr><th>consumer</th><th class="num">offset</th><th class="num">lag</th></tr>"#,
+    );
     for c in &log.consumers {
         let _ = write!(
             html,

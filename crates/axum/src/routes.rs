@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{OriginalUri, Path, State as Extract};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
@@ -15,9 +16,9 @@ use durability_platform::EpochMs;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::admin::{Admin, ObjectRef};
-use crate::view::{self, ObjectView};
+use crate::admin::{Admin, IdsAction, ObjectRef};
 use crate::page;
+use crate::view::{self, ObjectView};
 
 /// Everything a handler needs; shared by every request.
 pub(crate) struct State {
@@ -52,12 +53,35 @@ pub(crate) fn router(state: Shared) -> Router {
     router.with_state(state)
 }
 
-/// A JSON error response: `{"error": message}`.
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, Json(json!({ "error": message.into() }))).into_response()
+/// Why a request was refused: sent as its status and `{"error": message}`
+/// (with a `WWW-Authenticate: Bearer` challenge for a missing token).
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    message: String,
+    challenge: bool,
 }
 
-async fn read_objects(state: &Shared) -> Result<Vec<ObjectView>, Response> {
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let body = Json(json!({ "error": self.message }));
+        if self.challenge {
+            (self.status, [(header::WWW_AUTHENTICATE, "Bearer")], body).into_response()
+        } else {
+            (self.status, body).into_response()
+        }
+    }
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Refusal {
+    Refusal {
+        status,
+        message: message.into(),
+        challenge: false,
+    }
+}
+
+async fn read_objects(state: &Shared) -> Result<Vec<ObjectView>, Refusal> {
     let dir = state.data_dir.clone();
     match tokio::task::spawn_blocking(move || view::objects(&dir)).await {
         Ok(Ok(objects)) => Ok(objects),
@@ -109,40 +133,33 @@ fn base_of(uri: &axum::http::Uri) -> String {
     }
 }
 
-async fn index(Extract(state): Extract<Shared>, OriginalUri(uri): OriginalUri) -> Response {
-    match read_objects(&state).await {
-        Ok(objects) => Html(page::full(&context(&state, base_of(&uri)), &objects)).into_response(),
-        Err(response) => response,
-    }
+type Reply = Result<Response, Refusal>;
+
+async fn index(Extract(state): Extract<Shared>, OriginalUri(uri): OriginalUri) -> Reply {
+    let objects = read_objects(&state).await?;
+    Ok(Html(page::full(&context(&state, base_of(&uri)), &objects)).into_response())
 }
 
-async fn fragment(Extract(state): Extract<Shared>) -> Response {
-    match read_objects(&state).await {
-        Ok(objects) => Html(page::body(&context(&state, String::new()), &objects)).into_response(),
-        Err(response) => response,
-    }
+async fn fragment(Extract(state): Extract<Shared>) -> Reply {
+    let objects = read_objects(&state).await?;
+    Ok(Html(page::body(&context(&state, String::new()), &objects)).into_response())
 }
 
-async fn list(Extract(state): Extract<Shared>) -> Response {
-    match read_objects(&state).await {
-        Ok(objects) => Json(json!({
-            "now_ms": now_ms(&state),
-            "overview": view::overview(&objects),
-            "objects": objects,
-        }))
-        .into_response(),
-        Err(response) => response,
-    }
+async fn list(Extract(state): Extract<Shared>) -> Reply {
+    let objects = read_objects(&state).await?;
+    Ok(Json(json!({
+        "now_ms": now_ms(&state),
+        "overview": view::overview(&objects),
+        "objects": objects,
+    }))
+    .into_response())
 }
 
-async fn one(Extract(state): Extract<Shared>, Path(id): Path<String>) -> Response {
-    match find(&state, &id).await {
-        Ok(object) => Json(object).into_response(),
-        Err(response) => response,
-    }
+async fn one(Extract(state): Extract<Shared>, Path(id): Path<String>) -> Reply {
+    Ok(Json(find(&state, &id).await?).into_response())
 }
 
-async fn find(state: &Shared, id: &str) -> Result<ObjectView, Response> {
+async fn find(state: &Shared, id: &str) -> Result<ObjectView, Refusal> {
     read_objects(state)
         .await?
         .into_iter()
@@ -150,8 +167,8 @@ async fn find(state: &Shared, id: &str) -> Result<ObjectView, Response> {
         .ok_or_else(|| error(StatusCode::NOT_FOUND, format!("no object with id {id:?}")))
 }
 
-/// Checks the bearer token; `Err` is the refusal to send.
-fn authorize(state: &State, headers: &HeaderMap) -> Result<(), Response> {
+/// Checks the bearer token and returns the admin settings.
+fn authorize<'a>(state: &'a State, headers: &HeaderMap) -> Result<&'a Admin, Refusal> {
     let Some(admin) = &state.admin else {
         return Err(error(StatusCode::NOT_FOUND, "admin routes are not enabled"));
     };
@@ -159,14 +176,15 @@ fn authorize(state: &State, headers: &HeaderMap) -> Result<(), Response> {
         .get(header::AUTHORIZATION)
         .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "));
     match presented {
-        Some(token) if admin.accepts(token) => Ok(()),
+        Some(token) if admin.accepts(token) => Ok(admin),
         Some(_) => Err(error(StatusCode::FORBIDDEN, "the admin token is wrong")),
-        None => Err((
-            StatusCode::UNAUTHORIZED,
-            [(header::WWW_AUTHENTICATE, "Bearer")],
-            Json(json!({ "error": "an admin token is required (Authorization: Bearer ...)" })),
-        )
-            .into_response()),
+        None => Err(Refusal {
+            challenge: true,
+            ..error(
+                StatusCode::UNAUTHORIZED,
+                "an admin token is required (Authorization: Bearer ...)",
+            )
+        }),
     }
 }
 
@@ -178,27 +196,36 @@ fn object_ref(object: &ObjectView) -> ObjectRef {
     }
 }
 
+/// A JSON body, or a 422 naming what is wrong with it.
+fn body<T>(body: Result<Json<T>, JsonRejection>) -> Result<T, Refusal> {
+    body.map(|Json(value)| value)
+        .map_err(|rejection| error(StatusCode::UNPROCESSABLE_ENTITY, rejection.body_text()))
+}
+
+fn not_wired() -> Refusal {
+    error(
+        StatusCode::NOT_IMPLEMENTED,
+        "this action was not wired by the application",
+    )
+}
+
 async fn evict(
     Extract(state): Extract<Shared>,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Response {
-    if let Err(refusal) = authorize(&state, &headers) {
-        return refusal;
-    }
+) -> Reply {
+    authorize(&state, &headers)?;
     let Some(host) = &state.host else {
-        return error(
+        return Err(error(
             StatusCode::CONFLICT,
             "no host serves this data directory here: nothing to evict",
-        );
+        ));
     };
-    if let Err(response) = find(&state, &id).await {
-        return response;
-    }
-    match host.evict(&ObjectId::new(id.clone())).await {
-        Ok(()) => Json(json!({ "evicted": id })).into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
+    find(&state, &id).await?;
+    host.evict(&ObjectId::new(id.clone()))
+        .await
+        .map_err(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok(Json(json!({ "evicted": id })).into_response())
 }
 
 /// The body of the parked-delivery actions.
@@ -218,117 +245,83 @@ struct Before {
 /// Largest id list one admin request may carry.
 const MAX_IDS: usize = 1_000;
 
-fn check_ids(ids: &[String]) -> Result<(), Response> {
-    if ids.is_empty() || ids.len() > MAX_IDS {
-        return Err(error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "`ids` must list 1 to 1000 parked delivery ids",
-        ));
-    }
-    Ok(())
-}
-
 async fn redrive_parked(
     Extract(state): Extract<Shared>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Result<Json<Ids>, axum::extract::rejection::JsonRejection>,
-) -> Response {
-    ids_action(&state, &headers, &id, body, "redriven", |admin| {
-        admin.redrive_parked.clone()
-    })
-    .await
+    ids: Result<Json<Ids>, JsonRejection>,
+) -> Reply {
+    let admin = authorize(&state, &headers)?;
+    let action = admin.redrive_parked.clone();
+    ids_action(&state, &id, body(ids)?, action, "redriven").await
 }
 
 async fn purge_parked(
     Extract(state): Extract<Shared>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Result<Json<Ids>, axum::extract::rejection::JsonRejection>,
-) -> Response {
-    ids_action(&state, &headers, &id, body, "purged", |admin| {
-        admin.purge_parked.clone()
-    })
-    .await
+    ids: Result<Json<Ids>, JsonRejection>,
+) -> Reply {
+    let admin = authorize(&state, &headers)?;
+    let action = admin.purge_parked.clone();
+    ids_action(&state, &id, body(ids)?, action, "purged").await
 }
 
 async fn ids_action(
     state: &Shared,
-    headers: &HeaderMap,
     id: &str,
-    body: Result<Json<Ids>, axum::extract::rejection::JsonRejection>,
+    Ids { ids }: Ids,
+    action: Option<IdsAction>,
     done: &str,
-    action: impl Fn(&Admin) -> Option<crate::admin::IdsActionRef>,
-) -> Response {
-    if let Err(refusal) = authorize(state, headers) {
-        return refusal;
+) -> Reply {
+    if ids.is_empty() || ids.len() > MAX_IDS {
+        return Err(error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "`ids` must list 1 to 1000 parked delivery ids",
+        ));
     }
-    let Json(Ids { ids }) = match body {
-        Ok(body) => body,
-        Err(rejection) => return error(StatusCode::UNPROCESSABLE_ENTITY, rejection.body_text()),
-    };
-    if let Err(response) = check_ids(&ids) {
-        return response;
-    }
-    let Some(action) = state.admin.as_ref().and_then(action) else {
-        return error(
-            StatusCode::NOT_IMPLEMENTED,
-            "this action was not wired by the application",
-        );
-    };
-    let object = match find(state, id).await {
-        Ok(object) => object,
-        Err(response) => return response,
-    };
-    match action(object_ref(&object), ids).await {
-        Ok(count) => Json(json!({ done: count })).into_response(),
-        Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-    }
+    let action = action.ok_or_else(not_wired)?;
+    let object = find(state, id).await?;
+    let count = action(object_ref(&object), ids)
+        .await
+        .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
+    Ok(Json(json!({ done: count })).into_response())
 }
 
 async fn purge_operations(
     Extract(state): Extract<Shared>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Result<Json<Before>, axum::extract::rejection::JsonRejection>,
-) -> Response {
-    if let Err(refusal) = authorize(&state, &headers) {
-        return refusal;
-    }
-    let Json(Before { before_ms }) = match body {
-        Ok(body) => body,
-        Err(rejection) => return error(StatusCode::UNPROCESSABLE_ENTITY, rejection.body_text()),
-    };
+    before: Result<Json<Before>, JsonRejection>,
+) -> Reply {
+    let admin = authorize(&state, &headers)?;
+    let Before { before_ms } = body(before)?;
     if before_ms < 0 {
-        return error(
+        return Err(error(
             StatusCode::UNPROCESSABLE_ENTITY,
             "`before_ms` must be a non-negative epoch time in milliseconds",
-        );
+        ));
     }
-    let Some(action) = state.admin.as_ref().and_then(|a| a.purge_operations.clone()) else {
-        return error(
-            StatusCode::NOT_IMPLEMENTED,
-            "this action was not wired by the application",
-        );
-    };
-    let object = match find(&state, &id).await {
-        Ok(object) => object,
-        Err(response) => return response,
-    };
-    match action(object_ref(&object), before_ms).await {
-        Ok(count) => Json(json!({ "purged": count })).into_response(),
-        Err(e) => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-    }
+    let action = admin.purge_operations.clone().ok_or_else(not_wired)?;
+    let object = find(&state, &id).await?;
+    let count = action(object_ref(&object), before_ms)
+        .await
+        .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
+    Ok(Json(json!({ "purged": count })).into_response())
 }
 
 #[cfg(feature = "prometheus")]
-async fn metrics(Extract(state): Extract<Shared>) -> Response {
-    match &state.prometheus {
-        Some(handle) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-            handle.render(),
-        )
-            .into_response(),
-        None => error(StatusCode::NOT_FOUND, "metrics are not enabled"),
-    }
+async fn metrics(Extract(state): Extract<Shared>) -> Reply {
+    let handle = state
+        .prometheus
+        .as_ref()
+        .ok_or_else(|| error(StatusCode::NOT_FOUND, "metrics are not enabled"))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        handle.render(),
+    )
+        .into_response())
 }

@@ -98,7 +98,10 @@ async fn a_headless_browser_renders_the_dashboard_and_its_live_refresh() {
         "cleanup",
         "indexer",
     ] {
-        assert!(dom.contains(expected), "the rendered page lacks {expected:?}:\n{dom}");
+        assert!(
+            dom.contains(expected),
+            "the rendered page lacks {expected:?}:\n{dom}"
+        );
     }
     // The inline script fetched the fragment (relative to a nested mount)
     // and stamped the time: the figures refresh without a reload.

@@ -54,7 +54,11 @@ fn the_mail_service_accepts_mail_delivers_it_serves_the_dashboard_and_stops_on_c
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
     let start = line.find("http://").unwrap_or_else(|| panic!("{line}"));
-    let base = line[start..].split('/').take(3).collect::<Vec<_>>().join("/");
+    let base = line[start..]
+        .split('/')
+        .take(3)
+        .collect::<Vec<_>>()
+        .join("/");
 
     for n in 0..20 {
         let (status, body) = post(
@@ -63,9 +67,15 @@ fn the_mail_service_accepts_mail_delivers_it_serves_the_dashboard_and_stops_on_c
         );
         assert_eq!(status, 202, "{body}");
     }
-    let (status, _) = post(&format!("{base}/mail"), r#"{"to":"nobody@example.test","subject":"lost"}"#);
+    let (status, _) = post(
+        &format!("{base}/mail"),
+        r#"{"to":"nobody@example.test","subject":"lost"}"#,
+    );
     assert_eq!(status, 202);
-    let (status, _) = post(&format!("{base}/mail"), r#"{"to":"no address","subject":"x"}"#);
+    let (status, _) = post(
+        &format!("{base}/mail"),
+        r#"{"to":"no address","subject":"x"}"#,
+    );
     assert_eq!(status, 422);
 
     // Every mail reaches its end: 20 in inboxes, 1 parked.
@@ -83,14 +93,29 @@ fn the_mail_service_accepts_mail_delivers_it_serves_the_dashboard_and_stops_on_c
     }
     let (status, page) = get(&format!("{base}/durability"));
     assert_eq!(status, 200);
-    assert!(page.contains("mail service") && page.contains("admin API enabled"), "{page}");
+    assert!(
+        page.contains("mail service") && page.contains("admin API enabled"),
+        "{page}"
+    );
     let (status, metrics) = get(&format!("{base}/durability/metrics"));
     assert_eq!(status, 200);
-    assert!(metrics.contains(r#"durability_fanout_delivered_total{target="inbox"} 20"#), "{metrics}");
-    assert!(metrics.contains(r#"durability_fanout_parked_total{target="inbox"} 1"#), "{metrics}");
+    assert!(
+        metrics.contains(r#"durability_fanout_delivered_total{target="inbox"} 20"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"durability_fanout_parked_total{target="inbox"} 1"#),
+        "{metrics}"
+    );
 
     let pid = child.id().to_string();
-    assert!(Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    assert!(
+        Command::new("kill")
+            .args(["-INT", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stderr, &mut rest).unwrap();
     let status = child.wait().unwrap();

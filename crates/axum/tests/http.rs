@@ -15,26 +15,40 @@ const TOKEN: &str = "correct horse battery staple";
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_names_every_capability_state_of_every_object() {
     let world = World::new().await;
-    let server = Server::start(Dashboard::for_host(&world.host).title("shop <ops>").build().unwrap()).await;
+    let server = Server::start(
+        Dashboard::for_host(&world.host)
+            .title("shop <ops>")
+            .build()
+            .unwrap(),
+    )
+    .await;
     let page = get(format!("{}/", server.base)).await;
     assert_eq!(page.status, 200);
-    assert!(page.content_type.starts_with("text/html"), "{}", page.content_type);
+    assert!(
+        page.content_type.starts_with("text/html"),
+        "{}",
+        page.content_type
+    );
     for expected in [
         "<title>shop &lt;ops&gt;</title>", // the title is escaped
         "shops /</span> shop-1",
         "inbox",
-        "order-poison",            // parked, with its reason
+        "order-poison", // parked, with its reason
         "explicit",
-        "charge",                  // operations by status
+        "charge", // operations by status
         "completed",
         "failed",
-        "card &lt;declined&gt;",   // the last error, escaped
-        "cleanup",                 // the upcoming alarm
-        "indexer",                 // the log consumer
+        "card &lt;declined&gt;", // the last error, escaped
+        "cleanup",               // the upcoming alarm
+        "indexer",               // the log consumer
         "offsets 0..3",
         "fetch(base + 'fragment'", // live refresh
     ] {
-        assert!(page.body.contains(expected), "page lacks {expected:?}:\n{}", page.body);
+        assert!(
+            page.body.contains(expected),
+            "page lacks {expected:?}:\n{}",
+            page.body
+        );
     }
     let fragment = get(format!("{}/fragment", server.base)).await;
     assert_eq!(fragment.status, 200);
@@ -60,7 +74,10 @@ async fn the_json_lists_objects_with_each_capability_state() {
     let fanout = &shop["capabilities"]["fanout"];
     let inbox = &fanout["targets"][0];
     assert_eq!(inbox["target"], "inbox");
-    assert_eq!(inbox["backlog"], 1, "the slow one waits for its retry: {inbox}");
+    assert_eq!(
+        inbox["backlog"], 1,
+        "the slow one waits for its retry: {inbox}"
+    );
     assert_eq!(inbox["retrying"], 1);
     assert_eq!(inbox["parked"], 1);
     assert_eq!(fanout["parked"][0]["message_id"], "order-poison");
@@ -69,7 +86,10 @@ async fn the_json_lists_objects_with_each_capability_state() {
     assert_eq!(ops["by_status"]["completed"], 1);
     assert_eq!(ops["by_status"]["failed"], 1);
     assert_eq!(ops["failed"][0]["id"], "pay-2");
-    assert_eq!(ops["failed"][0]["error"], "NonRetryableError: card <declined>");
+    assert_eq!(
+        ops["failed"][0]["error"],
+        "NonRetryableError: card <declined>"
+    );
     let alarms = &shop["capabilities"]["alarms"];
     assert_eq!(alarms["pending"], 1);
     assert_eq!(alarms["upcoming"][0]["name"], "cleanup");
@@ -85,7 +105,12 @@ async fn the_json_lists_objects_with_each_capability_state() {
     assert_eq!(one.json()["name"], "shop-1");
     let missing = get(format!("{}/api/objects/{}", server.base, "0".repeat(64))).await;
     assert_eq!(missing.status, 404);
-    assert!(missing.json()["error"].as_str().unwrap().contains("no object"));
+    assert!(
+        missing.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("no object")
+    );
     world.host.shutdown().await;
 }
 
@@ -93,7 +118,12 @@ async fn the_json_lists_objects_with_each_capability_state() {
 async fn admin_routes_do_not_exist_unless_enabled() {
     let world = World::new().await;
     let server = Server::start(Dashboard::for_host(&world.host).build().unwrap()).await;
-    for action in ["evict", "parked/redrive", "parked/purge", "operations/purge"] {
+    for action in [
+        "evict",
+        "parked/redrive",
+        "parked/purge",
+        "operations/purge",
+    ] {
         let url = format!("{}/api/objects/{}/{action}", server.base, world.id);
         let reply = post(url, Some(TOKEN), r#"{"ids":["x"]}"#).await;
         assert_eq!(reply.status, 404, "{action}: {reply:?}");
@@ -168,7 +198,10 @@ async fn admin_actions_need_the_token_and_act_on_the_object() {
     let object = format!("{}/api/objects/{}", server.base, world.id);
     let parked_id = {
         let json = get(object.clone()).await.json();
-        json["capabilities"]["fanout"]["parked"][0]["id"].as_str().unwrap().to_owned()
+        json["capabilities"]["fanout"]["parked"][0]["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
     };
     let ids = serde_json::json!({ "ids": [parked_id] }).to_string();
 
@@ -176,23 +209,44 @@ async fn admin_actions_need_the_token_and_act_on_the_object() {
     let refused = post(format!("{object}/parked/purge"), None, &ids).await;
     assert_eq!(refused.status, 401);
     assert_eq!(refused.www_authenticate.as_deref(), Some("Bearer"));
-    for wrong in ["correct horse battery stapl", "correct horse battery staple!", "x"] {
+    for wrong in [
+        "correct horse battery stapl",
+        "correct horse battery staple!",
+        "x",
+    ] {
         let refused = post(format!("{object}/parked/purge"), Some(wrong), &ids).await;
         assert_eq!(refused.status, 403, "{wrong:?}");
     }
     let json = get(object.clone()).await.json();
-    assert_eq!(json["capabilities"]["fanout"]["targets"][0]["parked"], 1, "refusals changed nothing");
+    assert_eq!(
+        json["capabilities"]["fanout"]["targets"][0]["parked"], 1,
+        "refusals changed nothing"
+    );
 
     // Bad bodies are refused with the rule.
-    let empty = post(format!("{object}/parked/purge"), Some(TOKEN), r#"{"ids":[]}"#).await;
+    let empty = post(
+        format!("{object}/parked/purge"),
+        Some(TOKEN),
+        r#"{"ids":[]}"#,
+    )
+    .await;
     assert_eq!(empty.status, 422);
     assert!(empty.json()["error"].as_str().unwrap().contains("ids"));
     let garbage = post(format!("{object}/parked/purge"), Some(TOKEN), "{").await;
     assert_eq!(garbage.status, 422);
-    let negative = post(format!("{object}/operations/purge"), Some(TOKEN), r#"{"before_ms":-1}"#).await;
+    let negative = post(
+        format!("{object}/operations/purge"),
+        Some(TOKEN),
+        r#"{"before_ms":-1}"#,
+    )
+    .await;
     assert_eq!(negative.status, 422);
     let unknown = post(
-        format!("{}/api/objects/{}/parked/purge", server.base, "0".repeat(64)),
+        format!(
+            "{}/api/objects/{}/parked/purge",
+            server.base,
+            "0".repeat(64)
+        ),
         Some(TOKEN),
         &ids,
     )
@@ -201,10 +255,17 @@ async fn admin_actions_need_the_token_and_act_on_the_object() {
 
     // Redrive: registered again as new work; the consumer parks it again.
     let redriven = post(format!("{object}/parked/redrive"), Some(TOKEN), &ids).await;
-    assert_eq!((redriven.status, redriven.json()["redriven"].as_u64()), (200, Some(1)), "{redriven:?}");
+    assert_eq!(
+        (redriven.status, redriven.json()["redriven"].as_u64()),
+        (200, Some(1)),
+        "{redriven:?}"
+    );
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let json = get(object.clone()).await.json();
-    let parked_again = json["capabilities"]["fanout"]["parked"][0]["id"].as_str().unwrap().to_owned();
+    let parked_again = json["capabilities"]["fanout"]["parked"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
 
     // Purge it.
     let purged = post(
@@ -213,9 +274,19 @@ async fn admin_actions_need_the_token_and_act_on_the_object() {
         &serde_json::json!({ "ids": [parked_again] }).to_string(),
     )
     .await;
-    assert_eq!((purged.status, purged.json()["purged"].as_u64()), (200, Some(1)), "{purged:?}");
+    assert_eq!(
+        (purged.status, purged.json()["purged"].as_u64()),
+        (200, Some(1)),
+        "{purged:?}"
+    );
     let json = get(object.clone()).await.json();
-    assert_eq!(json["capabilities"]["fanout"]["parked"].as_array().unwrap().len(), 0);
+    assert_eq!(
+        json["capabilities"]["fanout"]["parked"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
 
     // Purge finished operations: both (completed and failed) are finished.
     let before = world.host.now_ms() + 1_000;
@@ -225,7 +296,11 @@ async fn admin_actions_need_the_token_and_act_on_the_object() {
         &format!(r#"{{"before_ms":{before}}}"#),
     )
     .await;
-    assert_eq!((purged.status, purged.json()["purged"].as_u64()), (200, Some(2)), "{purged:?}");
+    assert_eq!(
+        (purged.status, purged.json()["purged"].as_u64()),
+        (200, Some(2)),
+        "{purged:?}"
+    );
 
     // Evict: the object leaves memory; its rows stay.
     assert_eq!(world.host.live_objects(), 1);
@@ -251,7 +326,12 @@ async fn a_read_only_dashboard_serves_a_directory_without_a_host_and_cannot_evic
     assert_eq!(json["objects"][0]["name"], "shop-1");
     let page = get(format!("{}/", server.base)).await;
     assert!(page.body.contains("read-only view"));
-    let evict = post(format!("{}/api/objects/{}/evict", server.base, world.id), Some(TOKEN), "").await;
+    let evict = post(
+        format!("{}/api/objects/{}/evict", server.base, world.id),
+        Some(TOKEN),
+        "",
+    )
+    .await;
     assert_eq!(evict.status, 409);
     let redrive = post(
         format!("{}/api/objects/{}/parked/redrive", server.base, world.id),
@@ -289,7 +369,11 @@ async fn metrics_are_served_in_prometheus_text_when_asked() {
         "durability_host_live_objects ",
         r#"durability_host_call_duration_seconds_count{namespace="shops"}"#,
     ] {
-        assert!(reply.body.contains(expected), "lacks {expected:?}:\n{}", reply.body);
+        assert!(
+            reply.body.contains(expected),
+            "lacks {expected:?}:\n{}",
+            reply.body
+        );
     }
     let page = get(format!("{}/", server.base)).await;
     assert!(page.body.contains("Prometheus metrics"));
@@ -302,13 +386,31 @@ async fn metrics_are_served_in_prometheus_text_when_asked() {
 #[test]
 fn settings_out_of_bounds_are_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let error = Dashboard::builder(dir.path()).title("").build().unwrap_err();
-    assert!(matches!(error, DashboardError::Invalid { field: "title", .. }));
+    let error = Dashboard::builder(dir.path())
+        .title("")
+        .build()
+        .unwrap_err();
+    assert!(matches!(
+        error,
+        DashboardError::Invalid { field: "title", .. }
+    ));
     let error = Dashboard::builder(dir.path())
         .refresh_interval(std::time::Duration::from_millis(10))
         .build()
         .unwrap_err();
-    assert!(matches!(error, DashboardError::Invalid { field: "refresh_interval", .. }));
+    assert!(matches!(
+        error,
+        DashboardError::Invalid {
+            field: "refresh_interval",
+            ..
+        }
+    ));
     let error = Admin::new("short").unwrap_err();
-    assert!(matches!(error, DashboardError::Invalid { field: "admin token", .. }));
+    assert!(matches!(
+        error,
+        DashboardError::Invalid {
+            field: "admin token",
+            ..
+        }
+    ));
 }

@@ -70,9 +70,8 @@ pub fn run(args: &InspectArgs) -> Result<String, InspectError> {
                 serde_json::to_value(object).map_err(|source| InspectError::Json { source })?;
             if let Some(fields) = entry.as_object_mut() {
                 let state = match state {
-                    Ok(state) => {
-                        serde_json::to_value(state).map_err(|source| InspectError::Json { source })?
-                    }
+                    Ok(state) => serde_json::to_value(state)
+                        .map_err(|source| InspectError::Json { source })?,
                     Err(_) => serde_json::Value::Null,
                 };
                 fields.insert("capabilities".into(), state);
@@ -119,8 +118,15 @@ fn render(
         .load_preset(UTF8_FULL_CONDENSED)
         .set_content_arrangement(ContentArrangement::Dynamic)
         .set_header(vec![
-            "namespace", "name", "alarm", "backlog", "parked", "ops pending", "ops failed",
-            "log lag", "size",
+            "namespace",
+            "name",
+            "alarm",
+            "backlog",
+            "parked",
+            "ops pending",
+            "ops failed",
+            "log lag",
+            "size",
         ]);
     for (object, state) in objects.iter().zip(states) {
         let mut row = vec![
@@ -304,6 +310,9 @@ mod tests {
 
     #[test]
     fn an_object_without_a_capability_shows_dashes() {
-        assert_eq!(figures(&CapabilityState::default()), ["-", "-", "-", "-", "-"].map(String::from));
+        assert_eq!(
+            figures(&CapabilityState::default()),
+            ["-", "-", "-", "-", "-"].map(String::from)
+        );
     }
 }

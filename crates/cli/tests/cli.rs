@@ -118,7 +118,14 @@ fn demo_then_inspect_lists_the_mailbox_shards() {
     let table = durability(&["inspect", path_arg(&data)]);
     assert!(succeeded(&table));
     let text = String::from_utf8_lossy(&table.stdout);
-    for expected in ["2 objects in", "backlog", "parked", "ops failed", "mailbox-0", "mailbox-1"] {
+    for expected in [
+        "2 objects in",
+        "backlog",
+        "parked",
+        "ops failed",
+        "mailbox-0",
+        "mailbox-1",
+    ] {
         assert!(text.contains(expected), "lacks {expected:?}:\n{text}");
     }
     assert!(!text.contains("durability_fanout_deliveries"), "{text}");

@@ -10,7 +10,8 @@ use std::time::SystemTime;
 use serde_json::Value;
 
 fn path_arg(path: &Path) -> &str {
-    path.to_str().unwrap_or_else(|| panic!("not UTF-8: {}", path.display()))
+    path.to_str()
+        .unwrap_or_else(|| panic!("not UTF-8: {}", path.display()))
 }
 
 /// A child process and its stderr, read line by line.
@@ -41,7 +42,11 @@ impl Running {
         loop {
             let mut line = String::new();
             let read = self.stderr.read_line(&mut line).unwrap();
-            assert!(read > 0, "the process ended before {marker:?}; stderr:\n{}", self.seen);
+            assert!(
+                read > 0,
+                "the process ended before {marker:?}; stderr:\n{}",
+                self.seen
+            );
             self.seen.push_str(&line);
             if line.contains(marker) {
                 return line;
@@ -51,7 +56,9 @@ impl Running {
 
     /// The `http://127.0.0.1:PORT` in `line`.
     fn base_url(line: &str) -> String {
-        let start = line.find("http://").unwrap_or_else(|| panic!("no URL in {line:?}"));
+        let start = line
+            .find("http://")
+            .unwrap_or_else(|| panic!("no URL in {line:?}"));
         let rest = &line[start..];
         let end = rest[7..].find('/').map_or(rest.len(), |i| i + 7);
         rest[..end].to_owned()
@@ -139,11 +146,17 @@ fn demo_serve_shows_the_page_and_metrics_while_running_and_after_until_ctrl_c() 
     assert_eq!(objects.len(), 2, "{json:#}");
     for object in objects {
         assert_eq!(object["namespace"], "mailbox");
-        assert_eq!(object["capabilities"]["fanout"]["messages"], 0, "all delivered");
+        assert_eq!(
+            object["capabilities"]["fanout"]["messages"], 0,
+            "all delivered"
+        );
     }
     let (status, page) = get(&format!("{base}/"));
     assert_eq!(status, 200);
-    assert!(page.contains("mailbox-0") && page.contains("mailbox-1"), "{page}");
+    assert!(
+        page.contains("mailbox-0") && page.contains("mailbox-1"),
+        "{page}"
+    );
     let (status, metrics) = get(&format!("{base}/metrics"));
     assert_eq!(status, 200);
     for series in [
@@ -155,7 +168,10 @@ fn demo_serve_shows_the_page_and_metrics_while_running_and_after_until_ctrl_c() 
         assert!(metrics.contains(series), "lacks {series:?}:\n{metrics}");
     }
     let (status, stdout) = demo.interrupt();
-    assert!(status.success(), "Ctrl-C after the run is a clean exit: {status}");
+    assert!(
+        status.success(),
+        "Ctrl-C after the run is a clean exit: {status}"
+    );
     let summary: Value = serde_json::from_str(&stdout).unwrap();
     assert_eq!(summary["accepted"], 400);
     assert_eq!(summary["lost"], 0);
@@ -166,17 +182,33 @@ fn serve_shows_a_data_directory_read_only_without_constructing_objects() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let demo = Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(["demo", "--data-dir", path_arg(&data), "--messages", "200", "--shards", "3", "--json"])
+        .args([
+            "demo",
+            "--data-dir",
+            path_arg(&data),
+            "--messages",
+            "200",
+            "--shards",
+            "3",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(demo.status.success(), "{}", String::from_utf8_lossy(&demo.stderr));
+    assert!(
+        demo.status.success(),
+        "{}",
+        String::from_utf8_lossy(&demo.stderr)
+    );
     let before = fingerprint(&data);
 
     let mut serve = Running::start(&["serve", path_arg(&data), "--listen", "127.0.0.1:0"]);
     let base = Running::base_url(&serve.wait_for("serving the read-only view"));
     let (status, page) = get(&format!("{base}/"));
     assert_eq!(status, 200);
-    assert!(page.contains("read-only view") && page.contains("mailbox-2"), "{page}");
+    assert!(
+        page.contains("read-only view") && page.contains("mailbox-2"),
+        "{page}"
+    );
     let (status, body) = get(&format!("{base}/api/objects"));
     assert_eq!(status, 200);
     let json: Value = serde_json::from_str(&body).unwrap();
@@ -193,10 +225,23 @@ fn serve_shows_a_data_directory_read_only_without_constructing_objects() {
     // It holds no lock: a host (here another demo run) can open the
     // directory while it serves.
     let second = Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(["demo", "--data-dir", path_arg(&data), "--messages", "100", "--shards", "3", "--json"])
+        .args([
+            "demo",
+            "--data-dir",
+            path_arg(&data),
+            "--messages",
+            "100",
+            "--shards",
+            "3",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
     let (status, _) = serve.interrupt();
     assert!(status.success(), "{status}");
 
@@ -212,10 +257,19 @@ fn serve_shows_a_data_directory_read_only_without_constructing_objects() {
     }
     let (status, _) = serve.interrupt();
     assert!(status.success());
-    assert_eq!(fingerprint(&data), before_second, "serve changed an object file");
+    assert_eq!(
+        fingerprint(&data),
+        before_second,
+        "serve changed an object file"
+    );
 
     let missing = Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(["serve", path_arg(&dir.path().join("nope")), "--listen", "127.0.0.1:0"])
+        .args([
+            "serve",
+            path_arg(&dir.path().join("nope")),
+            "--listen",
+            "127.0.0.1:0",
+        ])
         .output()
         .unwrap();
     assert!(!missing.status.success());

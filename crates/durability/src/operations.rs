@@ -406,7 +406,7 @@ impl Operations {
             let operation = operation.to_owned();
             let id = id.to_owned();
             // Run in the caller's span, so the attempt links to the producer.
-            engine.ctx.wait_until(Box::pin(tracing::Instrument::in_current_span(async move {
+            let task = async move {
                 if let Err(error) = run.execute(&id, Some(permit)).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
@@ -425,7 +425,10 @@ impl Operations {
                         "re-arming after an eager start failed"
                     );
                 }
-            })));
+            };
+            engine
+                .ctx
+                .wait_until(Box::pin(tracing::Instrument::in_current_span(task)));
         }
         Ok(Registration::Created)
     }

@@ -361,7 +361,10 @@ fn alarms(sql: &dyn Sql) -> Result<AlarmsState, StorageError> {
 
 fn log(sql: &dyn Sql) -> Result<LogState, StorageError> {
     let next_offset = sql
-        .query_row("SELECT next_offset FROM durability_log_seq WHERE id = 1", &[])?
+        .query_row(
+            "SELECT next_offset FROM durability_log_seq WHERE id = 1",
+            &[],
+        )?
         .map_or(Ok(0), |row| row.get::<i64>(0))?;
     let next_offset = count(next_offset);
     let hot = sql

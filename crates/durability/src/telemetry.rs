@@ -184,7 +184,9 @@ pub(crate) fn record_event(event: &LifecycleEvent) {
                 Outcome::Completed { .. } => {
                     counter!(f.completed, label => f.value).increment(1);
                 }
-                Outcome::RetryScheduled { .. } if matches!(entity, Entity::FanoutDelivery { .. }) => {
+                Outcome::RetryScheduled { .. }
+                    if matches!(entity, Entity::FanoutDelivery { .. }) =>
+                {
                     counter!(f.failed, label => f.value).increment(1);
                 }
                 Outcome::RetryScheduled { .. } => {

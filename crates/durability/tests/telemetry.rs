@@ -12,7 +12,9 @@ use std::time::Duration;
 use durability::fanout::{EnqueueOptions, FanoutInput, FanoutMessage, Target};
 use durability::log::{AppendRecord, Read};
 use durability::telemetry as names;
-use durability::{AlarmCall, Alarms, DurableCall, Fanout, HandlerError, Log, Operations, Scheduler};
+use durability::{
+    AlarmCall, Alarms, DurableCall, Fanout, HandlerError, Log, Operations, Scheduler,
+};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 use support::Harness;
@@ -69,7 +71,11 @@ impl Series {
             let key = key.key();
             assert!(key.name().starts_with("durability_"), "{}", key.name());
             for label in key.labels() {
-                assert!(!ids.contains(&label.value()), "id {:?} used as a label value", label.value());
+                assert!(
+                    !ids.contains(&label.value()),
+                    "id {:?} used as a label value",
+                    label.value()
+                );
             }
         }
     }
@@ -151,7 +157,12 @@ async fn fanout_counts_enqueued_delivered_retried_dead_lettered_and_parked_per_t
     assert_eq!(series.counter(names::FANOUT_PARKED, &archive), 0);
     // Three inbox attempts settled with an outcome: fine, flaky (retry) and
     // flaky again; the dead letter is a terminal event, not a settlement.
-    assert_eq!(series.samples(names::FANOUT_DELIVERY_DURATION, &inbox).len(), 3);
+    assert_eq!(
+        series
+            .samples(names::FANOUT_DELIVERY_DURATION, &inbox)
+            .len(),
+        3
+    );
     series.assert_bounded(&["id-fine", "id-flaky", "id-poison"]);
 }
 
@@ -187,11 +198,17 @@ async fn operations_count_each_step_per_operation_name_and_time_the_handler() {
     assert_eq!(series.counter(names::OPERATIONS_STARTED, &charge), 2);
     assert_eq!(series.counter(names::OPERATIONS_COMPLETED, &charge), 0);
     assert_eq!(
-        series.counter(names::OPERATIONS_FAILED, &[("operation", "charge"), ("retry", "true")]),
+        series.counter(
+            names::OPERATIONS_FAILED,
+            &[("operation", "charge"), ("retry", "true")]
+        ),
         1
     );
     assert_eq!(
-        series.counter(names::OPERATIONS_FAILED, &[("operation", "charge"), ("retry", "false")]),
+        series.counter(
+            names::OPERATIONS_FAILED,
+            &[("operation", "charge"), ("retry", "false")]
+        ),
         1
     );
     let durations = series.samples(names::OPERATIONS_HANDLER_DURATION, &send);
@@ -204,7 +221,9 @@ async fn named_alarms_count_scheduled_and_fired_and_measure_lateness() {
     let series = recorded(|h| async move {
         let scheduler = scheduler(&h);
         let alarms = Alarms::builder(&scheduler)
-            .handler("cleanup", |_: AlarmCall| async { Ok::<_, HandlerError>(()) })
+            .handler("cleanup", |_: AlarmCall| async {
+                Ok::<_, HandlerError>(())
+            })
             .build()
             .unwrap();
         let at = scheduler.now_ms() + 30_000;
@@ -231,7 +250,9 @@ async fn the_log_counts_appended_read_and_trimmed_records_and_consumer_lag() {
             .retention(durability::log::Retention::new().max_records(2))
             .build()
             .unwrap();
-        log.append((0..5).map(AppendRecord::new).collect()).await.unwrap();
+        log.append((0..5).map(AppendRecord::new).collect())
+            .await
+            .unwrap();
         let page = log.read(Read::from_offset(0).limit(3)).await.unwrap();
         assert_eq!(page.records.len(), 3);
         log.commit("indexer", 3).await.unwrap();

@@ -53,7 +53,10 @@ where
     }
 
     fn on_follows_from(&self, span: &Id, follows: &Id, ctx: Context<'_, S>) {
-        let name = |id: &Id| ctx.span(id).map_or_else(String::new, |s| s.name().to_owned());
+        let name = |id: &Id| {
+            ctx.span(id)
+                .map_or_else(String::new, |s| s.name().to_owned())
+        };
         self.links.lock().unwrap().push((name(span), name(follows)));
     }
 }
@@ -72,7 +75,9 @@ async fn an_operation_attempt_and_a_fanout_pass_follow_from_the_producer_span() 
     support::on_harness(|h| async move {
         let scheduler = scheduler(&h);
         let ops = Operations::builder(&scheduler)
-            .handler("send", |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) })
+            .handler("send", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
             .build()
             .unwrap();
         let fanout = Fanout::<String>::builder(&scheduler)
@@ -93,7 +98,10 @@ async fn an_operation_attempt_and_a_fanout_pass_follow_from_the_producer_span() 
         async {
             ops.start("send", "op-1", &()).await.unwrap();
             fanout
-                .enqueue(vec![FanoutInput::new("hi".to_owned())], &EnqueueOptions::all())
+                .enqueue(
+                    vec![FanoutInput::new("hi".to_owned())],
+                    &EnqueueOptions::all(),
+                )
                 .await
                 .unwrap();
         }

@@ -63,20 +63,26 @@ async fn the_host_reports_objects_commits_alarms_and_call_latency() {
         .into_iter()
         .map(|(key, _, _, value)| (key, value))
         .collect();
-    let counter = |name, labels: &[(&str, &str)]| match value(&series, MetricKind::Counter, name, labels) {
-        Some(DebugValue::Counter(n)) => *n,
-        other => panic!("{name}: {other:?}"),
-    };
-    let samples = |name, labels: &[(&str, &str)]| match value(&series, MetricKind::Histogram, name, labels) {
-        Some(DebugValue::Histogram(v)) => v.iter().map(|v| v.into_inner()).collect::<Vec<f64>>(),
-        other => panic!("{name}: {other:?}"),
-    };
+    let counter =
+        |name, labels: &[(&str, &str)]| match value(&series, MetricKind::Counter, name, labels) {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{name}: {other:?}"),
+        };
+    let samples =
+        |name, labels: &[(&str, &str)]| match value(&series, MetricKind::Histogram, name, labels) {
+            Some(DebugValue::Histogram(v)) => {
+                v.iter().map(|v| v.into_inner()).collect::<Vec<f64>>()
+            }
+            other => panic!("{name}: {other:?}"),
+        };
     let ns = [("namespace", "notes")];
     assert_eq!(counter(names::OBJECTS_CONSTRUCTED, &ns), 2);
     // b explicitly, then a at shutdown.
     assert_eq!(counter(names::EVICTIONS, &[]), 2);
     match value(&series, MetricKind::Gauge, names::LIVE_OBJECTS, &[]) {
-        Some(DebugValue::Gauge(live)) => assert_eq!(live.into_inner(), 0.0, "all gone after shutdown"),
+        Some(DebugValue::Gauge(live)) => {
+            assert_eq!(live.into_inner(), 0.0, "all gone after shutdown")
+        }
         other => panic!("live objects: {other:?}"),
     }
     // Three inserts and the alarm's set and clear, at least; each synced
@@ -85,10 +91,18 @@ async fn the_host_reports_objects_commits_alarms_and_call_latency() {
     assert!(commits >= 5, "{commits}");
     assert!(counter(names::FSYNCS, &[]) >= commits);
     assert_eq!(counter(names::ALARM_FIRES, &ns), 1);
-    assert_eq!(samples(names::ALARM_LATENESS, &ns), vec![0.0], "on paused time, on time");
+    assert_eq!(
+        samples(names::ALARM_LATENESS, &ns),
+        vec![0.0],
+        "on paused time, on time"
+    );
     // Four calls (three inserts and the alarm's set).
     assert_eq!(samples(names::CALL_DURATION, &ns).len(), 4);
     for (key, _) in &series {
-        assert!(names::ALL.contains(&key.key().name()), "{} is not in ALL", key.key().name());
+        assert!(
+            names::ALL.contains(&key.key().name()),
+            "{} is not in ALL",
+            key.key().name()
+        );
     }
 }

@@ -66,7 +66,9 @@ fn build(ctx: ObjectContext) -> Result<Shop, BoxError> {
         })
         .build()?;
     let alarms = Alarms::builder(&scheduler)
-        .handler("cleanup", |_: AlarmCall| async { Ok::<_, HandlerError>(()) })
+        .handler("cleanup", |_: AlarmCall| async {
+            Ok::<_, HandlerError>(())
+        })
         .build()?;
     let log = Log::<String>::builder(&scheduler).build()?;
     Ok(Shop {
@@ -110,7 +112,11 @@ impl World {
             let at = shop.scheduler.now_ms() + 3_600_000;
             shop.alarms.schedule("cleanup", at).await.unwrap();
             shop.log
-                .append(["a", "b", "c"].map(|s| AppendRecord::new(s.to_owned())).to_vec())
+                .append(
+                    ["a", "b", "c"]
+                        .map(|s| AppendRecord::new(s.to_owned()))
+                        .to_vec(),
+                )
                 .await
                 .unwrap();
             shop.log.commit("indexer", 1).await.unwrap();

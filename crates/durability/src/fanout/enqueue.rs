@@ -418,8 +418,8 @@ where
             object = %self.engine.ctx.id(),
             deliveries = registered.len(),
         );
-        span.follows_from(&tracing::Span::current());
-        self.engine.ctx.wait_until(Box::pin(tracing::Instrument::instrument(async move {
+        span.follows_from(tracing::Span::current());
+        let task = async move {
             let result = match Rc::clone(&inner).run_due().await {
                 Ok(()) => inner
                     .engine
@@ -435,6 +435,9 @@ where
                     "background fanout pass failed"
                 );
             }
-        }, span)));
+        };
+        self.engine
+            .ctx
+            .wait_until(Box::pin(tracing::Instrument::instrument(task, span)));
     }
 }

@@ -156,7 +156,7 @@ impl Engine {
         );
         // Linked to what started it: the producer's span for an eager
         // start (`Operations::start` inside a request), else the alarm run.
-        span.follows_from(&tracing::Span::current());
+        span.follows_from(tracing::Span::current());
         let engine = Rc::clone(self);
         let body = async move {
             let mut held = None;
