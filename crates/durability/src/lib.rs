@@ -23,6 +23,7 @@ pub mod routing;
 pub mod scheduler;
 pub mod state;
 pub mod telemetry;
+pub mod trace;
 
 pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};

@@ -39,6 +39,7 @@ use crate::record::{AttemptRef, DurableTable};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
+use crate::trace::TraceCapture;
 
 /// The record table of operations.
 pub const CALLS: DurableTable = DurableTable {
@@ -64,6 +65,9 @@ pub struct DurableCall<P> {
     pub signal: AbortSignal,
     /// Persists a step's result so a retried attempt reuses it.
     pub memo: Memo,
+    /// The producer's trace context captured at registration (see
+    /// [`crate::trace`]), to continue its trace; `None` without a capture.
+    pub trace_context: Option<String>,
 }
 
 type ErasedHandler = Rc<dyn Fn(CallInput) -> LocalBoxFuture<'static, Result<Output, HandlerError>>>;
@@ -75,6 +79,7 @@ struct CallInput {
     attempt: u32,
     signal: AbortSignal,
     memo: Memo,
+    trace_context: Option<String>,
 }
 
 /// The state of one operation, as [`Operations::result`] reads it.
@@ -117,6 +122,7 @@ pub struct OperationsBuilder {
     policy: PolicyOptions,
     include_result: bool,
     hooks: Vec<LifecycleHook>,
+    trace: Option<TraceCapture>,
 }
 
 impl OperationsBuilder {
@@ -146,6 +152,7 @@ impl OperationsBuilder {
                 attempt: input.attempt,
                 signal: input.signal,
                 memo: input.memo,
+                trace_context: input.trace_context,
             });
             Box::pin(async move {
                 let result = running.await?;
@@ -195,6 +202,13 @@ impl OperationsBuilder {
         self
     }
 
+    /// Captures the producer's trace context at each registration and
+    /// hands it to every attempt (see [`crate::trace`]). Default: none.
+    pub fn trace_context(mut self, capture: TraceCapture) -> Self {
+        self.trace = Some(capture);
+        self
+    }
+
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Operations, DurabilityError> {
@@ -215,6 +229,7 @@ impl OperationsBuilder {
             include_result: self.include_result,
             emitter,
             active: ActiveMap::default(),
+            trace: self.trace,
         });
         engine.register(&inner)?;
         Ok(Operations { inner })
@@ -271,6 +286,7 @@ struct Inner {
     include_result: bool,
     emitter: Emitter,
     active: ActiveMap,
+    trace: Option<TraceCapture>,
 }
 
 /// The columns every read of one call row selects, in this order.
@@ -333,6 +349,7 @@ impl Operations {
             policy: PolicyOptions::default(),
             include_result: false,
             hooks: Vec::new(),
+            trace: None,
         }
     }
 
@@ -357,6 +374,7 @@ impl Operations {
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();
+        let trace_context = crate::trace::capture(inner.trace.as_ref());
         let insert = "INSERT INTO durability_calls \
              (id, operation, payload, status, result, attempt, next_attempt_at, last_error, \
               last_error_name, completed_at, generation_id, created_at) \
@@ -384,6 +402,9 @@ impl Operations {
                         existing: row.operation,
                         requested: operation.to_owned(),
                     });
+                }
+                if let (true, Some(context)) = (inserted, &trace_context) {
+                    crate::trace::store(sql, CALLS, id, &generation, now, context)?;
                 }
                 Ok(inserted)
             })
@@ -723,6 +744,15 @@ impl AttemptKind for OperationAttempt {
                 attempt,
             },
         );
+        let trace_context =
+            crate::trace::load(inner.engine.sql(), CALLS, &self.id, &self.generation)
+                .unwrap_or_else(|error| {
+                    tracing::warn!(%error, "trace context unreadable; the attempt runs without it");
+                    None
+                });
+        if let Some(context) = &trace_context {
+            tracing::Span::current().record("producer", context.as_str());
+        }
         handler(CallInput {
             id: self.id.clone(),
             operation: self.operation.clone(),
@@ -730,6 +760,7 @@ impl AttemptKind for OperationAttempt {
             attempt,
             signal,
             memo,
+            trace_context,
         })
     }
 

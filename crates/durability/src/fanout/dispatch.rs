@@ -370,6 +370,24 @@ where
 
     fn message(self: &Rc<Self>, state: &Rc<SettleState>, body: B) -> FanoutMessage<B> {
         let row = &state.claim.row;
+        let trace_context = if self.trace.is_some() {
+            crate::trace::load(self.engine.sql(), DELIVERIES, &row.id, &row.generation)
+                .unwrap_or_else(|error| {
+                    tracing::warn!(%error, "trace context unreadable; delivered without it");
+                    None
+                })
+        } else {
+            None
+        };
+        if let Some(context) = &trace_context {
+            tracing::debug!(
+                event = "durability.fanout.producer",
+                id = %state.claim.message_id,
+                target = %row.target_id,
+                producer = %context,
+                "delivery of a traced message"
+            );
+        }
         FanoutMessage {
             id: state.claim.message_id.clone(),
             delivery_id: row.identity(),
@@ -378,6 +396,7 @@ where
             attempt: row.attempt,
             enqueued_at: state.claim.enqueued_at,
             memo: Memo::new(Rc::clone(&self.engine.ctx), DELIVERIES, row.attempt_ref()),
+            trace_context,
             state: Rc::clone(state),
             fanout: Rc::clone(self),
         }

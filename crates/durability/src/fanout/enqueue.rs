@@ -17,7 +17,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use super::error::{EnqueueRejection, FanoutError};
-use super::store::{self, Manifest, json_pair};
+use super::store::{self, DELIVERIES, Manifest, json_pair};
 use super::{Fanout, Inner, entity};
 use crate::codec;
 use crate::lifecycle::LifecycleEvent;
@@ -347,6 +347,7 @@ where
         &self,
         prepare: impl FnOnce(&dyn Sql) -> Result<Vec<Entry>, RegisterError>,
     ) -> Result<Vec<Registered>, RegisterError> {
+        let trace_context = crate::trace::capture(self.trace.as_ref());
         self.transaction(|sql| {
             let mut registered = Vec::new();
             for entry in prepare(sql)? {
@@ -379,6 +380,17 @@ where
                         return Err(RegisterError::Failed(FanoutError::StateDisagrees {
                             delivery: json_pair(&manifest.key, target),
                         }));
+                    }
+                    if let Some(context) = &trace_context {
+                        let delivery = json_pair(&manifest.key, target);
+                        crate::trace::store(
+                            sql,
+                            DELIVERIES,
+                            &delivery,
+                            &manifest.generation,
+                            created_at,
+                            context,
+                        )?;
                     }
                     self.adjust_pending(1);
                     registered.push(Registered {

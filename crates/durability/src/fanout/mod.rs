@@ -124,6 +124,7 @@ use crate::migrations::{
 };
 use crate::retry::{Delay, Policies, PolicyOptions};
 use crate::scheduler::{Engine, Scheduler};
+use crate::trace::TraceCapture;
 use store::DELIVERIES;
 use target::{TargetKind, WriteFn};
 
@@ -150,6 +151,7 @@ pub struct FanoutBuilder<B> {
     max_body_bytes: usize,
     routing: Option<Load>,
     hooks: Vec<LifecycleHook>,
+    trace: Option<TraceCapture>,
 }
 
 impl<B> FanoutBuilder<B>
@@ -233,6 +235,14 @@ where
         self
     }
 
+    /// Captures the producer's trace context when messages are accepted
+    /// (enqueue, redrive) and hands it to every delivery of them (see
+    /// [`crate::trace`]). Default: none.
+    pub fn trace_context(mut self, capture: TraceCapture) -> Self {
+        self.trace = Some(capture);
+        self
+    }
+
     /// Validates the options, migrates the schema and attaches to the
     /// scheduler (one fanout per scheduler).
     pub fn build(self) -> Result<Fanout<B>, FanoutConfigError> {
@@ -303,6 +313,7 @@ where
             emitter,
             running: RefCell::new(HashMap::new()),
             pending: Cell::new(None),
+            trace: self.trace,
         });
         engine.register(&inner)?;
         Ok(Fanout { inner })
@@ -355,6 +366,7 @@ where
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             routing: None,
             hooks: Vec::new(),
+            trace: None,
         }
     }
 
@@ -410,6 +422,8 @@ pub(crate) struct Inner<B> {
     /// transaction may have counted changes that rolled back, so it drops
     /// the count and the next read counts again.
     pending: Cell<Option<u64>>,
+    /// Captures the producer's trace context at enqueue and redrive.
+    trace: Option<TraceCapture>,
 }
 
 impl<B> Inner<B> {

@@ -153,6 +153,7 @@ impl Engine {
             key = %spec.key,
             generation = %spec.generation,
             attempt = tracing::field::Empty,
+            producer = tracing::field::Empty,
         );
         // Linked to what started it: the producer's span for an eager
         // start (`Operations::start` inside a request), else the alarm run.
