@@ -25,12 +25,15 @@ struct Links {
     attempts: Arc<Mutex<Vec<u64>>>,
     /// `producer` values recorded on spans named `attempt`.
     producers: Arc<Mutex<Vec<String>>>,
+    /// `ids` of the `fanout_delivery` spans.
+    deliveries: Arc<Mutex<Vec<String>>>,
 }
 
 #[derive(Default)]
 struct AttemptVisitor {
     attempt: Option<u64>,
     producer: Option<String>,
+    ids: Option<String>,
 }
 
 impl Visit for AttemptVisitor {
@@ -44,14 +47,26 @@ impl Visit for AttemptVisitor {
             self.producer = Some(value.to_owned());
         }
     }
-    fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "ids" {
+            self.ids = Some(format!("{value:?}"));
+        }
+    }
 }
 
 impl<S> Layer<S> for Links
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
-    fn on_new_span(&self, _: &Attributes<'_>, _: &Id, _: Context<'_, S>) {}
+    fn on_new_span(&self, attributes: &Attributes<'_>, _: &Id, _: Context<'_, S>) {
+        if attributes.metadata().name() == "fanout_delivery" {
+            let mut visitor = AttemptVisitor::default();
+            attributes.record(&mut visitor);
+            if let Some(ids) = visitor.ids {
+                self.deliveries.lock().unwrap().push(ids);
+            }
+        }
+    }
 
     fn on_record(&self, span: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
         if ctx.span(span).is_some_and(|s| s.name() == "attempt") {
@@ -313,6 +328,13 @@ async fn the_producer_context_is_stored_with_the_work_and_reaches_a_retry_in_a_n
             ("operation".into(), 1, traced.clone()),
             ("operation".into(), 2, traced),
         ]
+    );
+    // Each batch handed over is a span naming its messages and attempts.
+    let deliveries = links.deliveries.lock().unwrap().clone();
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    assert!(
+        deliveries[0].ends_with("#1") && deliveries[1].ends_with("#2"),
+        "{deliveries:?}"
     );
     assert!(
         links

@@ -288,7 +288,20 @@ where
             });
         }
         let timeout_ms = policy.attempt_timeout_ms;
-        let work = self.invoke(target, &states);
+        // One span per handed-over batch: the ids (`<message>#<attempt>`,
+        // at most max_batch_size of them) a user follows an item by.
+        let span = tracing::info_span!(
+            "fanout_delivery",
+            object = %self.engine.ctx.id(),
+            target = %states.first().map_or("", |s| s.claim.row.target_id.as_str()),
+            messages = states.len(),
+            ids = %states
+                .iter()
+                .map(|s| format!("{}#{}", s.claim.message_id, s.claim.row.attempt))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        let work = tracing::Instrument::instrument(self.invoke(target, &states), span);
         let deadline = self.engine.ctx.sleep(Duration::from_millis(timeout_ms));
         futures::pin_mut!(work);
         let failure = match futures::future::select(work, deadline).await {
