@@ -20,12 +20,13 @@ use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageE
 
 use crate::error::{ConfigError, DurabilityError, HandlerError, LibraryErrorKind};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits;
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS,
 };
 use crate::record::{AttemptRef, DurableTable, delete_attempt};
-use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 
@@ -72,6 +73,7 @@ pub struct AlarmsBuilder {
     scheduler: Scheduler,
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     hooks: Vec<LifecycleHook>,
 }
 
@@ -93,11 +95,11 @@ impl AlarmsBuilder {
         self
     }
 
-    /// How long one attempt may run. Default 5 min. A timed-out attempt is
+    /// How long one attempt may run. Default 5 min; whole milliseconds,
+    /// from 1 ms to 2^31 - 1 ms. A timed-out attempt is
     /// terminal unless the alarm's policy sets `retry_timeouts`.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -124,12 +126,19 @@ impl AlarmsBuilder {
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Alarms, DurabilityError> {
-        let policies = self.policy.validate()?;
+        let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         if self.handlers.keys().any(String::is_empty) {
             return Err(ConfigError::NotPositive {
                 field: "handler name length".into(),
             }
             .into());
+        }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
         }
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =
@@ -234,6 +243,7 @@ impl Alarms {
             scheduler: scheduler.clone(),
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             hooks: Vec::new(),
         }
     }

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::codec::CodecError;
+use crate::limits::LimitError;
 use crate::migrations::MigrationError;
 
 /// The `name` of an error that stops retries ([`HandlerError::non_retryable`]).
@@ -87,6 +88,18 @@ pub enum LibraryErrorKind {
     ResultSerialization,
     /// [`HandlerError::attempts_exhausted`].
     AttemptsExhausted,
+    /// `FanoutEnqueueError`: a stored or returned enqueue rejection.
+    FanoutEnqueue,
+    /// `FanoutSettlementError`: a rejected settlement call.
+    FanoutSettlement,
+    /// `FanoutTimeoutError`: a batch or DLQ write past its deadline.
+    FanoutTimeout,
+    /// `LogAppendError`: a log append rejection.
+    LogAppend,
+    /// `RangeError`: a value out of its range (a retry delay).
+    Range,
+    /// `StorageError`: storage failed under a settlement.
+    Storage,
 }
 
 /// What a user handler returns when an attempt fails, and what the engine
@@ -351,6 +364,11 @@ impl From<SerializedError> for HandlerError {
 
 /// Invalid configuration, returned when a scheduler, a helper or a policy is
 /// built. Each variant is one rule and names the field that broke it.
+///
+/// `field` is the Rust builder setter the value came through
+/// (`alarm_min_delay`, `max_batch_size`, `leases.lease_for` for the `lease_for`
+/// setter of the `leases` option), never a form with units or rules in it;
+/// the rule and its units are in the message.
 #[derive(Debug, Clone, PartialEq, Error)]
 #[non_exhaustive]
 pub enum ConfigError {
@@ -360,11 +378,27 @@ pub enum ConfigError {
     /// A value outside its inclusive range.
     #[error("{field} must be between {min} and {max}")]
     OutOfRange { field: String, min: u64, max: u64 },
+    /// A duration that is not a whole number of milliseconds within its
+    /// inclusive range.
+    #[error("{field} must be a whole number of milliseconds from {min_ms} ms to {max_ms} ms")]
+    DurationOutOfRange {
+        field: String,
+        min_ms: u64,
+        max_ms: u64,
+    },
     /// A duration longer than any in-memory timer can wait. JavaScript
     /// timers treat such delays as zero, so the reference library would
     /// expire them at once; this port rejects them instead.
     #[error("{field} must be at most {MAX_TIMER_MS} ms (the longest timer), got {value_ms}")]
     AboveTimerLimit { field: String, value_ms: u64 },
+    /// A duration setter given a value that is not a whole number of
+    /// milliseconds: stored times are milliseconds, and rounding would
+    /// silently change the setting.
+    #[error("{field} must be a whole number of milliseconds, got {value:?}")]
+    NotWholeMilliseconds {
+        field: String,
+        value: std::time::Duration,
+    },
     /// A retry delay setting that is NaN, infinite or negative.
     #[error("{field} must be a finite non-negative number of milliseconds, got {value}")]
     InvalidDelay { field: String, value: f64 },
@@ -426,9 +460,23 @@ pub enum DurabilityError {
     /// removed by a later deployment fails on its first claim instead).
     #[error("no handler is registered for {kind} \"{name}\"")]
     UnknownHandler { kind: &'static str, name: String },
+    /// An id, a name or a payload outside its limit (see [`crate::limits`]);
+    /// nothing was written.
+    #[error(transparent)]
+    Limit(#[from] LimitError),
     /// A completed operation row without a result.
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },
+    /// A read (`Operations::result`, `Operations::wait`) named another
+    /// operation than the one registered under `id`. Nothing was read.
+    #[error(
+        "Durable call \"{id}\" belongs to operation \"{registered}\", not \"{requested}\"; read it under its own name"
+    )]
+    OperationMismatch {
+        id: String,
+        registered: String,
+        requested: String,
+    },
 }
 
 impl DurabilityError {

@@ -43,6 +43,7 @@ use serde::de::DeserializeOwned;
 
 use crate::codec::{self, CodecError};
 use crate::error::HandlerError;
+use crate::limits::{self, LimitError};
 use crate::migrations::Migration;
 use crate::record::{AttemptRef, DurableTable};
 
@@ -77,6 +78,9 @@ pub enum MemoError<E> {
     Codec(CodecError),
     /// The memo table could not be read or written.
     Storage(StorageError),
+    /// A memo key that is empty or longer than
+    /// [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES); `f` was not run.
+    Limit(LimitError),
 }
 
 impl<E: fmt::Display> fmt::Display for MemoError<E> {
@@ -85,6 +89,7 @@ impl<E: fmt::Display> fmt::Display for MemoError<E> {
             MemoError::Callback(error) => write!(f, "memoized callback failed: {error}"),
             MemoError::Codec(error) => write!(f, "memo value: {error}"),
             MemoError::Storage(error) => write!(f, "memo storage: {error}"),
+            MemoError::Limit(error) => write!(f, "memo: {error}"),
         }
     }
 }
@@ -110,6 +115,8 @@ impl<E: Into<HandlerError>> From<MemoError<E>> for HandlerError {
             MemoError::Callback(error) => error.into(),
             MemoError::Codec(error) => HandlerError::from(error),
             MemoError::Storage(error) => HandlerError::from(error),
+            // The same key fails the same way on every attempt.
+            MemoError::Limit(error) => HandlerError::non_retryable(format!("memo: {error}")),
         }
     }
 }
@@ -158,6 +165,7 @@ impl Memo {
     where
         T: Serialize + DeserializeOwned,
     {
+        limits::check_id("memo key", key).map_err(MemoError::Limit)?;
         if let Some(stored) = self.lookup(key)? {
             return Ok(codec::decode_as(&stored)?);
         }

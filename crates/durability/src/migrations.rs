@@ -10,6 +10,18 @@
 //! a long revert chain written by a much newer version is more likely to lose
 //! data than to help.
 //!
+//! Guard against a second run: the up scripts that rebuild a table (the
+//! two 0004 migrations) are not safe to run twice: a second run would give
+//! every existing row a new generation and `created_at`. A history can lack
+//! their row while the schema has their columns (a 3.x history table that
+//! records 0004 only as the 2.x combined row, a history table restored from
+//! an older backup). So before running such a script, its effect is looked
+//! up in the schema (`REBUILD_GUARDS`); when it is already there the row
+//! is recorded (and reported as applied) without running the script. Every
+//! other up script only creates tables, indexes and their first rows: a
+//! second run fails on the existing table with [`MigrationError::Script`]
+//! and its batch changes nothing.
+//!
 //! Crash safety: the history upkeep, the revert of unknown migrations and the
 //! planned batch are each one transaction, so a crash leaves the schema
 //! before or after a batch, never in between.
@@ -138,6 +150,14 @@ const LEGACY_COMBINED_0004: &str = "durability_0004_generation_and_created_at";
 const CALLS_0004: &str = "durability_0004_calls_generation_and_created_at";
 const ALARMS_0004: &str = "durability_0004_alarms_generation_and_created_at";
 
+/// The migrations whose up script rebuilds a table, each with the table and
+/// a column its rebuild adds: when the column is already there, the script
+/// has run and must not run again.
+const REBUILD_GUARDS: &[(&str, &str, &str)] = &[
+    (CALLS_0004, "durability_calls", "generation_id"),
+    (ALARMS_0004, "durability_alarms", "created_at"),
+];
+
 /// Brings `capability`'s schema to `target` (§10.2).
 ///
 /// In order: resolve the target (an unknown name fails before any statement
@@ -245,7 +265,16 @@ pub fn migrate(
             )?;
         }
         for migration in &to_apply {
-            run_script(sql, migration.name, Direction::Up, migration.up)?;
+            if already_in_schema(sql, migration.name)? {
+                tracing::warn!(
+                    event = "durability.migration.already_in_schema",
+                    migration = migration.name,
+                    capability,
+                    "the schema already has this migration's change; recorded without running it again"
+                );
+            } else {
+                run_script(sql, migration.name, Direction::Up, migration.up)?;
+            }
             sql.execute(
                 "INSERT INTO durability_migrations (name, capability, down) VALUES (?, ?, ?)",
                 &[
@@ -334,6 +363,23 @@ fn ensure_history_table(sql: &dyn Sql) -> Result<bool, StorageError> {
         sql.execute_script("ALTER TABLE durability_migrations ADD COLUMN down TEXT")?;
     }
     Ok(from_2x)
+}
+
+/// Whether `name` is a table rebuild whose column is already in the schema.
+fn already_in_schema(sql: &dyn Sql, name: &str) -> Result<bool, StorageError> {
+    let Some((_, table, column)) = REBUILD_GUARDS.iter().find(|(guarded, ..)| *guarded == name)
+    else {
+        return Ok(false);
+    };
+    // A PRAGMA takes no bound table name; the names are this module's own
+    // constants.
+    let columns = sql.query(&format!("PRAGMA table_info({table})"), &[])?;
+    for row in columns.iter() {
+        if row.get_named::<String>("name")? == *column {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 fn history_columns(sql: &dyn Sql) -> Result<Vec<String>, StorageError> {

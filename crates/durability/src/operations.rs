@@ -28,15 +28,16 @@ use durability_platform::{AlarmInfo, EpochMs, LocalBoxFuture, Row, Sql, StorageE
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::codec;
+use crate::codec::{self, CodecError};
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
+use crate::limits::{self, DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_LIMIT};
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
 };
 use crate::record::{AttemptRef, DurableTable};
-use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions};
+use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 use crate::trace::TraceCapture;
@@ -68,6 +69,11 @@ pub struct DurableCall<P> {
     /// The producer's trace context captured at registration (see
     /// [`crate::trace`]), to continue its trace; `None` without a capture.
     pub trace_context: Option<String>,
+    /// The physical alarm's invocation info when this attempt runs in a
+    /// pass the object's alarm started (`Scheduler::alarm(Some(info))`);
+    /// `None` for an eager start at registration and for runs of the
+    /// in-memory timer. The same rule as [`AlarmCall::platform`](crate::AlarmCall::platform).
+    pub platform: Option<AlarmInfo>,
 }
 
 type ErasedHandler = Rc<dyn Fn(CallInput) -> LocalBoxFuture<'static, Result<Output, HandlerError>>>;
@@ -80,6 +86,7 @@ struct CallInput {
     signal: AbortSignal,
     memo: Memo,
     trace_context: Option<String>,
+    platform: Option<AlarmInfo>,
 }
 
 /// The state of one operation, as [`Operations::result`] reads it.
@@ -120,7 +127,9 @@ pub struct OperationsBuilder {
     scheduler: Scheduler,
     handlers: HashMap<String, ErasedHandler>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     include_result: bool,
+    max_payload_bytes: usize,
     hooks: Vec<LifecycleHook>,
     trace: Option<TraceCapture>,
 }
@@ -128,6 +137,15 @@ pub struct OperationsBuilder {
 impl OperationsBuilder {
     /// Registers the handler of the operation `name`: it receives the
     /// decoded payload and returns a result that is stored as JSON.
+    ///
+    /// A stored payload that does not decode as `P` fails the attempt
+    /// without calling the handler. If it is valid stored text of another
+    /// type, that is an ordinary, retryable failure (a fixed deployment may
+    /// read it). If it is not in the stored format at all (a row written by
+    /// hand as `'null'` instead of `{"kind":"value","value":null}`), no
+    /// deployment can ever read it: the operation fails for good at its
+    /// first attempt with a `NonRetryableError` that says what is wrong and
+    /// what the format is, logged once.
     pub fn handler<P, R, F, Fut>(mut self, name: &str, handler: F) -> Self
     where
         P: DeserializeOwned + 'static,
@@ -136,12 +154,10 @@ impl OperationsBuilder {
         Fut: Future<Output = Result<R, HandlerError>> + 'static,
     {
         let erased: ErasedHandler = Rc::new(move |input: CallInput| {
-            // A payload that no longer decodes is an ordinary, retryable
-            // failure: a fixed deployment may read it.
             let payload = match codec::decode_as::<P>(&input.payload) {
                 Ok(payload) => payload,
                 Err(error) => {
-                    return Box::pin(std::future::ready(Err(HandlerError::from(error))))
+                    return Box::pin(std::future::ready(Err(payload_error(&input, error))))
                         as LocalBoxFuture<'static, _>;
                 }
             };
@@ -153,6 +169,7 @@ impl OperationsBuilder {
                 signal: input.signal,
                 memo: input.memo,
                 trace_context: input.trace_context,
+                platform: input.platform,
             });
             Box::pin(async move {
                 let result = running.await?;
@@ -169,10 +186,10 @@ impl OperationsBuilder {
         self
     }
 
-    /// How long one attempt may run before it is abandoned. Default 5 min.
+    /// How long one attempt may run before it is abandoned. Default 5 min;
+    /// whole milliseconds, from 1 ms to 2^31 - 1 ms.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -186,6 +203,14 @@ impl OperationsBuilder {
     /// Overrides the policy of one operation, field by field.
     pub fn method(mut self, name: &str, policy: MethodPolicy) -> Self {
         self.policy = self.policy.method(name, policy);
+        self
+    }
+
+    /// Largest payload [`Operations::start`] accepts, in bytes of its own
+    /// JSON. Default 1 MiB; from 1 byte to 32 MiB
+    /// ([`MAX_BODY_BYTES_LIMIT`]).
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
         self
     }
 
@@ -212,13 +237,25 @@ impl OperationsBuilder {
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Operations, DurabilityError> {
-        let policies = self.policy.validate()?;
+        let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         if self.handlers.keys().any(String::is_empty) {
             return Err(ConfigError::NotPositive {
                 field: "handler name length".into(),
             }
             .into());
         }
+        for name in self.handlers.keys() {
+            limits::check_id("handler name", name)?;
+        }
+        limits::check_setting(
+            "max_payload_bytes",
+            self.max_payload_bytes,
+            MAX_BODY_BYTES_LIMIT,
+        )?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =
             engine.prepare_records(OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS, self.hooks)?;
@@ -227,6 +264,7 @@ impl OperationsBuilder {
             handlers: self.handlers,
             policies,
             include_result: self.include_result,
+            max_payload_bytes: self.max_payload_bytes,
             emitter,
             active: ActiveMap::default(),
             trace: self.trace,
@@ -284,6 +322,7 @@ struct Inner {
     handlers: HashMap<String, ErasedHandler>,
     policies: Policies,
     include_result: bool,
+    max_payload_bytes: usize,
     emitter: Emitter,
     active: ActiveMap,
     trace: Option<TraceCapture>,
@@ -347,7 +386,9 @@ impl Operations {
             scheduler: scheduler.clone(),
             handlers: HashMap::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             include_result: false,
+            max_payload_bytes: DEFAULT_MAX_BODY_BYTES,
             hooks: Vec::new(),
             trace: None,
         }
@@ -357,6 +398,9 @@ impl Operations {
     /// once the row and the alarm have committed; never waits for the
     /// handler. An id already registered for this operation writes nothing;
     /// an operation without a handler here is rejected and writes nothing.
+    /// An empty id, one longer than [`limits::MAX_ID_BYTES`], a payload
+    /// larger than `max_payload_bytes` or nested deeper than the codec
+    /// allows is a typed error, and writes nothing.
     pub async fn start<P: Serialize + ?Sized>(
         &self,
         operation: &str,
@@ -370,7 +414,14 @@ impl Operations {
                 name: operation.to_owned(),
             });
         }
+        limits::check_id("id", id)?;
         let payload = codec::encode(payload)?;
+        limits::check_body(
+            "payload",
+            codec::body_bytes(&payload),
+            inner.max_payload_bytes,
+            "max_payload_bytes",
+        )?;
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();
@@ -428,7 +479,7 @@ impl Operations {
             let id = id.to_owned();
             // Run in the caller's span, so the attempt links to the producer.
             let task = async move {
-                if let Err(error) = run.execute(&id, Some(permit)).await {
+                if let Err(error) = run.execute(&id, Some(permit), None).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -456,6 +507,14 @@ impl Operations {
 
     /// Reads the state of operation `operation` registered under `id`.
     /// Never changes anything.
+    ///
+    /// The name is asked beside the id on purpose: the result is decoded
+    /// as the caller's `R`, which belongs to one operation, and ids are the
+    /// caller's own strings, so reading an id under the wrong operation is
+    /// a mix-up worth an error rather than a decode failure or a wrong
+    /// value. It is [`DurabilityError::OperationMismatch`] naming both
+    /// operations (a registration under the wrong name, by contrast, is
+    /// [`DurabilityError::DuplicateCall`]).
     pub fn result<R: DeserializeOwned>(
         &self,
         operation: &str,
@@ -469,7 +528,9 @@ impl Operations {
 
     /// Waits up to `timeout` for the operation to settle (complete, fail for
     /// good, or be purged), then returns its state. In memory only: a wait
-    /// does not survive eviction, and a zero timeout just reads.
+    /// does not survive eviction, and a zero timeout just reads. A wrong
+    /// name answers at once with [`DurabilityError::OperationMismatch`], as
+    /// [`Operations::result`] does.
     pub async fn wait<R: DeserializeOwned>(
         &self,
         operation: &str,
@@ -549,14 +610,45 @@ impl Operations {
     }
 }
 
+/// The failure of an attempt whose stored payload does not decode.
+///
+/// A payload of the wrong *type* (the handler's `P` changed) is an ordinary,
+/// retryable failure: a fixed deployment may read it. Stored text that is
+/// not the stored format at all (not JSON, or JSON without the
+/// `{"kind":"value","value":...}` envelope, such as a raw row written as
+/// `'null'`) can never decode, whatever is deployed: it fails the operation
+/// for good at once, with a stored error saying what is wrong and what the
+/// format is, logged once, instead of burning its attempts as if the
+/// handler had failed.
+fn payload_error(input: &CallInput, error: CodecError) -> HandlerError {
+    match error {
+        CodecError::Malformed { .. } | CodecError::Envelope { .. } => {
+            let message = format!(
+                "the stored payload of operation \"{}\" (id \"{}\") is not in the stored format: {error}; \
+                 payloads are stored as {{\"kind\":\"value\",\"value\":<json>}} or {{\"kind\":\"undefined\"}}, \
+                 so a row written by hand must wrap its JSON in that envelope",
+                input.operation, input.id
+            );
+            tracing::error!(
+                operation = %input.operation,
+                id = %input.id,
+                %error,
+                "stored payload is not in the stored format; the operation fails without retries"
+            );
+            HandlerError::non_retryable(message)
+        }
+        other => HandlerError::from(other),
+    }
+}
+
 fn result_of<R: DeserializeOwned>(
     row: CallRow,
     operation: &str,
 ) -> Result<OperationResult<R>, DurabilityError> {
     if row.operation != operation {
-        return Err(DurabilityError::DuplicateCall {
+        return Err(DurabilityError::OperationMismatch {
             id: row.id,
-            existing: row.operation,
+            registered: row.operation,
             requested: operation.to_owned(),
         });
     }
@@ -601,6 +693,7 @@ impl Inner {
         self: &Rc<Self>,
         id: &str,
         eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        platform: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
@@ -647,6 +740,7 @@ impl Inner {
                 generation: row.generation,
                 max_attempts: policy.max_attempts,
                 attempt_timeout_ms: policy.attempt_timeout_ms,
+                platform,
             }),
         };
         self.engine.start_execution(spec, eager_permit).await
@@ -661,7 +755,7 @@ impl Participant for Inner {
     fn run_due(
         self: Rc<Self>,
         now: EpochMs,
-        _info: Option<AlarmInfo>,
+        info: Option<AlarmInfo>,
     ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
         Box::pin(async move {
             // Covered by durability_calls_pending_idx (status, next_attempt_at).
@@ -678,7 +772,7 @@ impl Participant for Inner {
             let results = self
                 .engine
                 .run_concurrent(ids, |id| async move {
-                    let outcome = this.execute(&id, None).await;
+                    let outcome = this.execute(&id, None, info).await;
                     (id, outcome)
                 })
                 .await;
@@ -709,6 +803,7 @@ struct OperationAttempt {
     generation: String,
     max_attempts: u32,
     attempt_timeout_ms: u64,
+    platform: Option<AlarmInfo>,
 }
 
 impl AttemptKind for OperationAttempt {
@@ -761,6 +856,7 @@ impl AttemptKind for OperationAttempt {
             signal,
             memo,
             trace_context,
+            platform: self.platform,
         })
     }
 

@@ -24,6 +24,7 @@
 
 use std::fmt;
 use std::rc::Rc;
+use std::time::Duration;
 
 use durability_platform::{EpochMs, MAX_SAFE_INTEGER, MAX_TIMER_MS};
 
@@ -78,6 +79,24 @@ pub fn jitter(delay_ms: f64, uniform: f64) -> f64 {
 /// makes the record fail terminally with `DurableRetryPolicyError`.
 pub type DelayFn = Rc<dyn Fn(u32, f64) -> Result<f64, HandlerError>>;
 
+/// The longest retry delay a policy accepts: 365 days. A longer one would
+/// push the next attempt towards the end of the safe-integer clock and fail
+/// the work at its first retry instead of at build.
+pub const MAX_RETRY_DELAY_MS: u64 = 365 * 24 * 3_600 * 1_000;
+
+/// `duration` in milliseconds, refusing one that is not a whole number of
+/// them (rounding would silently change the setting); saturates at
+/// `u64::MAX`, which range checks then refuse.
+pub(crate) fn whole_millis(field: &str, duration: Duration) -> Result<u64, ConfigError> {
+    if !duration.subsec_nanos().is_multiple_of(1_000_000) {
+        return Err(ConfigError::NotWholeMilliseconds {
+            field: field.to_owned(),
+            value: duration,
+        });
+    }
+    Ok(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// How long to wait between attempts.
 #[derive(Clone)]
 pub enum Delay {
@@ -98,14 +117,21 @@ impl Delay {
 
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
         let check = |name: &str, value: f64| {
-            if value.is_finite() && value >= 0.0 {
-                Ok(())
-            } else {
-                Err(ConfigError::InvalidDelay {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(ConfigError::InvalidDelay {
                     field: format!("{field}.{name}"),
                     value,
-                })
+                });
             }
+            // Exact: the bound is far below 2^53.
+            if value > MAX_RETRY_DELAY_MS as f64 {
+                return Err(ConfigError::OutOfRange {
+                    field: format!("{field}.{name}"),
+                    min: 0,
+                    max: MAX_RETRY_DELAY_MS,
+                });
+            }
+            Ok(())
         };
         match self {
             Delay::Exponential { initial_ms, max_ms } => {
@@ -274,18 +300,31 @@ impl PolicyOptions {
     /// attempt timeout, the attempt count, the delay, then each method in
     /// the order it was added.
     pub fn validate(self) -> Result<Policies, ConfigError> {
-        check_timeout("attempt_timeout_ms", self.attempt_timeout_ms)?;
+        // Fields are named by the builders' setters (`attempt_timeout`,
+        // `max_attempts`, `retry_delay`) and, for a method override, by
+        // `method("name")` and the `MethodPolicy` setter.
+        self.validate_as("attempt_timeout", "retry_delay")
+    }
+
+    /// [`PolicyOptions::validate`], naming the timeout and the delay as the
+    /// helper's own setters do (`attempt_timeout`, `retry_delay`).
+    pub(crate) fn validate_as(
+        self,
+        timeout_field: &str,
+        delay_field: &str,
+    ) -> Result<Policies, ConfigError> {
+        check_timeout(timeout_field, self.attempt_timeout_ms)?;
         check_attempts("max_attempts", self.max_attempts)?;
-        self.delay.validate("delay")?;
+        self.delay.validate(delay_field)?;
         for (name, method) in &self.methods {
             if let Some(ms) = method.attempt_timeout_ms {
-                check_timeout(&format!("methods.{name}.attempt_timeout_ms"), ms)?;
+                check_timeout(&format!("method(\"{name}\").attempt_timeout_ms"), ms)?;
             }
             if let Some(attempts) = method.max_attempts {
-                check_attempts(&format!("methods.{name}.max_attempts"), attempts)?;
+                check_attempts(&format!("method(\"{name}\").max_attempts"), attempts)?;
             }
             if let Some(delay) = &method.delay {
-                delay.validate(&format!("methods.{name}.delay"))?;
+                delay.validate(&format!("method(\"{name}\").delay"))?;
             }
         }
         let default = AttemptPolicy {
@@ -533,7 +572,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             error.to_string(),
-            "attempt_timeout_ms must be a positive integer"
+            "attempt_timeout must be a positive integer"
         );
         let error = PolicyOptions::new().max_attempts(0).validate().unwrap_err();
         assert_eq!(error.to_string(), "max_attempts must be a positive integer");
@@ -544,7 +583,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             error.to_string(),
-            "methods.b.max_attempts must be a positive integer"
+            "method(\"b\").max_attempts must be a positive integer"
         );
     }
 
@@ -561,14 +600,14 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(
-            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "attempt_timeout_ms")
+            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "attempt_timeout")
         );
         let error = PolicyOptions::new()
             .method("slow", MethodPolicy::new().attempt_timeout_ms(u64::MAX))
             .validate()
             .unwrap_err();
         assert!(
-            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "methods.slow.attempt_timeout_ms")
+            matches!(error, ConfigError::AboveTimerLimit { ref field, .. } if field == "method(\"slow\").attempt_timeout_ms")
         );
     }
 
@@ -580,7 +619,7 @@ mod tests {
                 .validate()
                 .unwrap_err();
             assert!(
-                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "delay.ms")
+                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "retry_delay.ms")
             );
             let error = PolicyOptions::new()
                 .method(
@@ -593,7 +632,7 @@ mod tests {
                 .validate()
                 .unwrap_err();
             assert!(
-                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "methods.m.delay.max_ms")
+                matches!(error, ConfigError::InvalidDelay { ref field, .. } if field == "method(\"m\").delay.max_ms")
             );
         }
     }

@@ -2020,7 +2020,8 @@ async fn bodies_that_are_too_large_or_not_json_are_rejected_with_nothing_written
                 "a",
                 Target::consumer(|_: Vec<FanoutMessage<f64>>| async { Ok::<_, HandlerError>(()) }),
             )
-            .max_body_bytes(30)
+            // Counted on the body's own JSON: 12345.678 is 9 bytes.
+            .max_body_bytes(8)
             .batch_delay(Duration::from_secs(3_600))
             .build()
             .unwrap();
@@ -2039,7 +2040,11 @@ async fn bodies_that_are_too_large_or_not_json_are_rejected_with_nothing_written
                     .enqueue(vec![FanoutInput::new(12_345.678)], &EnqueueOptions::all())
                     .await
             ),
-            EnqueueRejection::BodyTooLarge { max_bytes: 30, .. }
+            EnqueueRejection::BodyTooLarge {
+                bytes: 9,
+                max_bytes: 8,
+                ..
+            }
         ));
         assert_eq!(snapshot(&*ctx), before);
     })
@@ -2128,12 +2133,16 @@ async fn invalid_configuration_is_a_typed_error_naming_the_rule() {
             Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_body_bytes"
         ));
         assert!(matches!(
+            build(&|b| b.target("a", target()).batch_delay(Duration::from_millis(u64::MAX))),
+            Err(FanoutConfigError::Config(ConfigError::OutOfRange { field, .. })) if field == "batch_delay"
+        ));
+        assert!(matches!(
             build(&|b| b.target("a", target()).batch_delay(Duration::MAX)),
-            Err(FanoutConfigError::Config(ConfigError::OutOfRange { .. }))
+            Err(FanoutConfigError::Config(ConfigError::NotWholeMilliseconds { field, .. })) if field == "batch_delay"
         ));
         assert!(matches!(
             build(&|b| b.target("a", target().policy(MethodPolicy::new().max_attempts(0)))),
-            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "methods.a.max_attempts"
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "method(\"a\").max_attempts"
         ));
         assert!(matches!(
             build(&|b| b.target("a", target()).attempt_timeout(Duration::ZERO)),
@@ -2257,6 +2266,441 @@ async fn migrating_to_none_drops_the_fanout_tables_and_their_memos() {
         );
         assert_eq!(left, 0);
         assert_eq!(count(&*ctx, "SELECT COUNT(*) FROM durability_memos"), 0);
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------
+// Bodies the consumer side cannot decode (issue 10, defect 1)
+
+/// A body type whose stored form outlived its decoder: any string is
+/// written, but one starting with "poison" is refused when read back, as a
+/// body stored before a change of the Rust type would be.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
+struct Picky(String);
+
+impl TryFrom<String> for Picky {
+    type Error = String;
+    fn try_from(text: String) -> Result<Self, String> {
+        if text.starts_with("poison") {
+            Err(format!("cannot read {text:?}"))
+        } else {
+            Ok(Picky(text))
+        }
+    }
+}
+
+impl From<Picky> for String {
+    fn from(body: Picky) -> String {
+        body.0
+    }
+}
+
+/// `(attempt, phase, last_error)` of a delivery row, if it exists.
+fn delivery_failure(ctx: &dyn Context, key: &str) -> Option<(u32, String, Option<String>)> {
+    ctx.storage()
+        .query_row(
+            "SELECT attempt, phase, last_error FROM durability_fanout_deliveries \
+             WHERE message_key = ?",
+            &params![key],
+        )
+        .unwrap()
+        .map(|row| {
+            (
+                row.get(0).unwrap(),
+                row.get(1).unwrap(),
+                row.get(2).unwrap(),
+            )
+        })
+}
+
+/// `(reason, error_message)` of the parked entry of message `id`.
+fn parked_failure(ctx: &dyn Context, id: &str) -> Option<(String, Option<String>)> {
+    ctx.storage()
+        .query_row(
+            "SELECT reason, error_message FROM durability_fanout_parked WHERE message_id = ?",
+            &params![id],
+        )
+        .unwrap()
+        .map(|row| (row.get(0).unwrap(), row.get(1).unwrap()))
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_undecodable_body_is_a_failed_attempt_even_with_ack_on_return_and_ends_parked() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let seen = Rc::new(RefCell::new(Vec::<String>::new()));
+        let record = Rc::clone(&seen);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(move |batch: Vec<FanoutMessage<Picky>>| {
+                    record
+                        .borrow_mut()
+                        .extend(batch.iter().map(|m| m.body.0.clone()));
+                    async { Ok::<_, HandlerError>(()) }
+                })
+                .ack_on_return(true)
+                .policy(MethodPolicy::new().max_attempts(2)),
+            )
+            .retry_delay(Delay::Fixed { ms: 10.0 })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(
+                    vec![
+                        FanoutInput::new(Picky("fine".into())).id("good"),
+                        FanoutInput::new(Picky("poison pill".into())).id("bad"),
+                    ],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        settle().await;
+        assert_eq!(*seen.borrow(), vec!["fine".to_owned()]);
+        let (attempt, phase, error) =
+            delivery_failure(&*ctx, "bad").expect("the undecodable delivery was dropped");
+        assert_eq!((attempt, phase.as_str()), (1, "delivery"));
+        assert!(
+            error.as_deref().is_some_and(|e| e.contains("cannot read")),
+            "the decode error is the attempt's failure: {error:?}"
+        );
+        sleep_ms(20).await;
+        assert_eq!(deliveries(&*ctx), 0);
+        let (reason, error) = parked_failure(&*ctx, "bad").expect("parked, not dropped");
+        assert_eq!(reason, "exhausted");
+        assert!(error.is_some_and(|e| e.contains("cannot read")));
+        assert_eq!(*seen.borrow(), vec!["fine".to_owned()], "never handed over");
+        assert_manifests_consistent(&*ctx);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_of_only_undecodable_bodies_is_not_acked_on_return() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|_: Vec<FanoutMessage<Picky>>| async {
+                    Ok::<_, HandlerError>(())
+                })
+                .ack_on_return(true),
+            )
+            .retry_delay(Delay::Fixed { ms: 60_000.0 })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new(Picky("poison".into())).id("bad")],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        settle().await;
+        let (attempt, _, error) = delivery_failure(&*ctx, "bad").expect("kept for a retry");
+        assert_eq!(attempt, 1);
+        assert!(error.is_some_and(|e| e.contains("cannot read")));
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_undecodable_body_bound_for_a_dlq_is_parked_instead_of_retried_for_ever() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let dlq = Rc::new(Cell::new(0_u32));
+        let writes = Rc::clone(&dlq);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|_: Vec<FanoutMessage<Picky>>| async {
+                    Ok::<_, HandlerError>(())
+                })
+                .ack_on_return(true)
+                .policy(MethodPolicy::new().max_attempts(1)),
+            )
+            .dlq(move |_: StoredMessage<Picky>| {
+                writes.set(writes.get() + 1);
+                async { Ok::<_, HandlerError>(()) }
+            })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new(Picky("poison".into())).id("bad")],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        settle().await;
+        sleep_ms(2 * INFRASTRUCTURE_RETRY_MS as u64).await;
+        assert_eq!(
+            dlq.get(),
+            0,
+            "the DLQ cannot be given a body nobody can read"
+        );
+        assert_eq!(deliveries(&*ctx), 0);
+        let (reason, error) = parked_failure(&*ctx, "bad").expect("parked, not dropped");
+        assert_eq!(reason, "exhausted");
+        assert!(error.is_some_and(|e| e.contains("cannot read")));
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_undecodable_body_for_a_storage_target_fails_with_its_own_decode_error() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "s",
+                Target::storage(|stored: StoredMessage<Picky>| async move {
+                    if stored.message_id == "other" {
+                        Err(HandlerError::new("disk full"))
+                    } else {
+                        Ok(())
+                    }
+                }),
+            )
+            .retry_delay(Delay::Fixed { ms: 60_000.0 })
+            .build()
+            .unwrap();
+        accepted(
+            fanout
+                .enqueue(
+                    vec![
+                        FanoutInput::new(Picky("fine".into())).id("other"),
+                        FanoutInput::new(Picky("poison".into())).id("bad"),
+                    ],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        settle().await;
+        let (_, _, error) = delivery_failure(&*ctx, "bad").expect("kept for a retry");
+        assert!(
+            error.as_deref().is_some_and(|e| e.contains("cannot read")),
+            "{error:?}"
+        );
+        let (_, _, error) = delivery_failure(&*ctx, "other").expect("kept for a retry");
+        assert_eq!(error.as_deref(), Some("disk full"));
+    })
+    .await;
+}
+
+// Issue 10, defects 1 to 3: a body nested deeper than the decoder reads
+// back is refused at enqueue, whatever its depth, nothing written.
+#[tokio::test(start_paused = true)]
+async fn a_body_nested_deeper_than_the_decoder_reads_is_rejected_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<serde_json::Value>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|_: Vec<FanoutMessage<serde_json::Value>>| async {
+                    Ok::<_, HandlerError>(())
+                })
+                .ack_on_return(true),
+            )
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        for depth in [127, 10_000] {
+            let body = support::nested_json(depth);
+            let batch = vec![
+                FanoutInput::new(serde_json::json!(1)).id("fine"),
+                FanoutInput::new(body).id("deep"),
+            ];
+            let error = rejected(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+            assert!(
+                matches!(error, EnqueueRejection::BodyNotJson { index: 1, .. }),
+                "{error:?}"
+            );
+            assert!(error.to_string().contains("limit of 100 levels"), "{error}");
+        }
+        assert_eq!(snapshot(&*ctx), before);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_parked_body_that_does_not_decode_never_hides_the_other_parked_entries() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<Picky>::builder(&scheduler)
+            .target(
+                "t",
+                Target::consumer(|batch: Vec<FanoutMessage<Picky>>| {
+                    let settled: Vec<Settling> = batch.iter().map(|m| m.dead_letter()).collect();
+                    async move {
+                        for settling in settled {
+                            settling
+                                .await
+                                .map_err(|e| HandlerError::new(e.to_string()))?;
+                        }
+                        Ok::<_, HandlerError>(())
+                    }
+                })
+                .policy(MethodPolicy::new().max_attempts(1)),
+            )
+            .build()
+            .unwrap();
+        // One at a time, so they are parked in this order.
+        for (id, body) in [("a", "first"), ("bad", "poison"), ("z", "last")] {
+            let batch = vec![FanoutInput::new(Picky(body.into())).id(id)];
+            accepted(fanout.enqueue(batch, &EnqueueOptions::all()).await);
+            settle().await;
+        }
+        let page = fanout.parked(None, 10).unwrap();
+        let ids: Vec<&str> = page.iter().map(|e| e.message_id.as_str()).collect();
+        assert_eq!(ids, ["a"], "the page ends before the undecodable entry");
+        let error = fanout.parked(page.last(), 10).unwrap_err();
+        let FanoutError::Durability(DurabilityError::Decode { key, .. }) = &error else {
+            panic!("expected a decode error, got {error:?}");
+        };
+        assert_eq!(fanout.purge_parked(&[key.as_str()]).unwrap(), 1);
+        let rest = fanout.parked(page.last(), 10).unwrap();
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].message_id, "z");
+    })
+    .await;
+}
+
+// Issue 10, defect 8: ids and keys have the limit of every capability, and
+// max_body_bytes counts the body's own JSON, not the stored envelope.
+#[tokio::test(start_paused = true)]
+async fn overlong_ids_and_keys_are_rejected_and_the_body_limit_counts_the_bodys_own_json() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", acking(&Batches::default()))
+            .max_body_bytes(10)
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let long = "i".repeat(1025);
+        for overlong in [
+            FanoutInput::new("b".to_owned()).id(long.as_str()),
+            FanoutInput::new("b".to_owned())
+                .id("m")
+                .deduplication_key(long.as_str()),
+        ] {
+            let error = rejected(
+                fanout
+                    .enqueue(
+                        vec![FanoutInput::new("ok".to_owned()).id("ok"), overlong],
+                        &EnqueueOptions::all(),
+                    )
+                    .await,
+            );
+            assert!(
+                error.to_string().starts_with("message 1: ")
+                    && error
+                        .to_string()
+                        .ends_with("is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"),
+                "{error}"
+            );
+        }
+        // "12345678" is 10 bytes of JSON (its quotes included), 35 stored.
+        let error = rejected(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new("123456789".to_owned()).id("over")],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+        assert_eq!(
+            error.to_string(),
+            "the body of message 0 is 11 bytes of JSON, above the limit of 10 (max_body_bytes)"
+        );
+        assert_eq!(snapshot(&*ctx), before);
+        accepted(
+            fanout
+                .enqueue(
+                    vec![FanoutInput::new("12345678".to_owned()).id(&*"i".repeat(1024))],
+                    &EnqueueOptions::all(),
+                )
+                .await,
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_enqueue_or_redrive_of_more_than_max_enqueue_messages_is_rejected_whole() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let fanout = Fanout::<String>::builder(&scheduler)
+            .target("t", acking(&Batches::default()))
+            .max_enqueue_messages(2)
+            .build()
+            .unwrap();
+        let before = snapshot(&*ctx);
+        let error = rejected(
+            fanout
+                .enqueue(inputs(&["a", "b", "c"]), &EnqueueOptions::all())
+                .await,
+        );
+        assert_eq!(
+            error.to_string(),
+            "messages holds 3 items, above the limit of 2 per call (max_enqueue_messages)"
+        );
+        let error = rejected(fanout.redrive_parked(&["x", "y", "z"]).await);
+        assert!(matches!(error, EnqueueRejection::TooManyMessages(_)));
+        assert_eq!(snapshot(&*ctx), before);
+        accepted(
+            fanout
+                .enqueue(inputs(&["a", "b"]), &EnqueueOptions::all())
+                .await,
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn count_and_size_settings_are_bounded_at_build_naming_the_setter() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let build = |configure: &dyn Fn(
+            durability::fanout::FanoutBuilder<String>,
+        ) -> durability::fanout::FanoutBuilder<String>| {
+            configure(
+                Fanout::<String>::builder(&scheduler).target("t", acking(&Batches::default())),
+            )
+            .build()
+            .map(|_| ())
+        };
+        let cases: [(&dyn Fn(_) -> _, &str, u64); 3] = [
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_body_bytes(usize::MAX), "max_body_bytes", 32 << 20),
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_batch_size(usize::MAX), "max_batch_size", 100_000),
+            (&|b: durability::fanout::FanoutBuilder<String>| b.max_enqueue_messages(100_001), "max_enqueue_messages", 100_000),
+        ];
+        for (configure, setter, max) in cases {
+            match build(configure) {
+                Err(FanoutConfigError::Config(ConfigError::OutOfRange { field, min: 1, max: m })) => {
+                    assert_eq!((field.as_str(), m), (setter, max));
+                }
+                other => panic!("{setter}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            build(&|b| b.max_enqueue_messages(0)),
+            Err(FanoutConfigError::Config(ConfigError::NotPositive { field })) if field == "max_enqueue_messages"
+        ));
     })
     .await;
 }

@@ -842,3 +842,150 @@ async fn the_log_survives_eviction() {
     })
     .await;
 }
+
+// Issue 10, defect 2: what the decoder could not read back is refused at
+// append, nothing written.
+#[tokio::test(start_paused = true)]
+async fn a_body_nested_deeper_than_the_decoder_reads_is_refused_and_nothing_is_written() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.build().unwrap();
+        append(&log, records(0, 2)).await;
+        let before = support::table_snapshot(&*h.context(), "durability_log_records");
+        for depth in [127, 10_000] {
+            let body = support::nested_json(depth);
+            let outcome = log
+                .append(vec![AppendRecord::new(json!(1)), AppendRecord::new(body)])
+                .await
+                .unwrap();
+            match outcome.rejection() {
+                Some(error @ AppendRejection::Body { index: 1, .. }) => {
+                    assert!(error.to_string().contains("limit of 100 levels"), "{error}");
+                }
+                other => panic!("expected a body rejection, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            support::table_snapshot(&*h.context(), "durability_log_records"),
+            before
+        );
+        let read = log.read(Read::from_offset(0)).await.unwrap();
+        assert_eq!(read.records.len(), 2, "the records before stay readable");
+    })
+    .await;
+}
+
+/// Damages the stored payload of hot record `offset` the way a row written
+/// by another version (or a broken disk) would look: not a stored value.
+fn damage_hot_record(h: &support::Harness, offset: u64) {
+    let changed = h
+        .context()
+        .storage()
+        .execute(
+            "UPDATE durability_log_records SET payload = '{\"kind\":\"value\"' \
+             WHERE \"offset\" = ?",
+            &durability::platform::params![i64::try_from(offset).unwrap()],
+        )
+        .unwrap();
+    assert_eq!(changed, 1);
+}
+
+// Issue 10, defect 2: one record that does not decode never blocks reads of
+// the others; a read starting at it is a typed error naming its offset, and
+// the consumer skips it by reading and committing past it.
+#[tokio::test(start_paused = true)]
+async fn a_record_that_does_not_decode_never_blocks_reads_of_the_others() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.build().unwrap();
+        append(&log, records(0, 5)).await;
+        damage_hot_record(&h, 2);
+        let page = log.read(Read::from_offset(0)).await.unwrap();
+        let offsets: Vec<u64> = page.records.iter().map(|r| r.offset).collect();
+        assert_eq!(offsets, [0, 1], "the records before it are readable");
+        assert_eq!(page.next_offset, 2);
+        assert_eq!(page.lag, 3);
+        match log.read(Read::from_offset(2)).await {
+            Err(LogError::Decode { offset: 2, .. }) => {}
+            other => panic!("expected a decode error naming offset 2, got {other:?}"),
+        }
+        let page = log.read(Read::from_offset(3)).await.unwrap();
+        let offsets: Vec<u64> = page.records.iter().map(|r| r.offset).collect();
+        assert_eq!(offsets, [3, 4], "the records after it are readable");
+        log.commit("c", 3).await.unwrap();
+        assert_eq!(log.cursor("c").await.unwrap(), Some(3));
+    })
+    .await;
+}
+
+// Issue 10, defect 8: log keys and consumer names have the identifier limit
+// of every capability, and record bodies a limit (1 MiB of their own JSON
+// by default).
+#[tokio::test(start_paused = true)]
+async fn overlong_keys_and_consumers_and_oversized_bodies_are_refused_with_nothing_written() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.build().unwrap();
+        let long = "k".repeat(1025);
+        let fits = Value::String("b".repeat((1 << 20) - 2));
+        let over = Value::String("b".repeat((1 << 20) - 1));
+        let batches = [
+            (
+                vec![
+                    AppendRecord::new(json!(1)),
+                    AppendRecord::keyed(long.as_str(), json!(2)),
+                ],
+                "records[1]: key is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)",
+            ),
+            (
+                vec![AppendRecord::new(over)],
+                "records[0]: body is 1048577 bytes, above the limit of 1048576 (max_body_bytes)",
+            ),
+        ];
+        for (batch, message) in batches {
+            let outcome = log.append(batch).await.unwrap();
+            let error = outcome.rejection().expect("rejected");
+            assert_eq!(error.to_string(), message);
+        }
+        assert!(hot_offsets(&h).is_empty());
+        let error = log.commit(&long, 0).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "consumer must be at most 1024 bytes (MAX_ID_BYTES)"
+        );
+        assert!(log.cursors().await.unwrap().is_empty());
+        append(&log, vec![AppendRecord::keyed("k".repeat(1024), fits)]).await;
+        log.commit(&"c".repeat(1024), 1).await.unwrap();
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_body_bytes_is_configurable_and_bounded_at_build() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let error = b.max_body_bytes(0).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "max_body_bytes must be a positive integer"
+        );
+        let (_s, b) = builder(&h);
+        let error = b.max_batch_size(u32::MAX).build().unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "max_batch_size must be between 1 and 100000"
+        );
+        let (_s, b) = builder(&h);
+        let log = b.max_body_bytes(7).build().unwrap();
+        append(&log, vec![AppendRecord::new(json!("hello"))]).await;
+        let outcome = log
+            .append(vec![AppendRecord::new(json!("hello!"))])
+            .await
+            .unwrap();
+        assert_eq!(
+            outcome.rejection().map(ToString::to_string).as_deref(),
+            Some("records[0]: body is 8 bytes, above the limit of 7 (max_body_bytes)")
+        );
+    })
+    .await;
+}

@@ -402,3 +402,75 @@ async fn a_range_whose_records_were_trimmed_away_is_truncated_until_the_consumer
     })
     .await;
 }
+
+// Issue 10, defect 2: a lease never holds a record its holder cannot read;
+// the record at the start of a lease that does not decode is a typed error,
+// and committing past it lets the consumer go on.
+#[tokio::test(start_paused = true)]
+async fn a_record_that_does_not_decode_ends_a_lease_and_is_skipped_by_a_commit() {
+    support::on_harness(|h| async move {
+        let (_s, b) = builder(&h);
+        let log = b.leases(Leases::new()).build().unwrap();
+        append(&log, records(0, 5)).await;
+        let changed = h
+            .context()
+            .storage()
+            .execute(
+                "UPDATE durability_log_records SET payload = 'not json' WHERE \"offset\" = 2",
+                &[],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+        let first = lease(&log, "workers", 10).await.unwrap();
+        assert_eq!(offsets(&first), [0, 1]);
+        log.ack("workers", &first.batch_id).await.unwrap();
+        match log.lease("workers", Some(10)).await {
+            Err(LogError::Decode { offset: 2, .. }) => {}
+            other => panic!("expected a decode error naming offset 2, got {other:?}"),
+        }
+        log.commit("workers", 3).await.unwrap();
+        let rest = lease(&log, "workers", 10).await.unwrap();
+        assert_eq!(offsets(&rest), [3, 4]);
+    })
+    .await;
+}
+
+// Issue 10, defect 2: a range handed out before one of its records stopped
+// decoding (damage) can never be read again; with a poison hook it is
+// skipped as poison at once instead of failing every lease of the consumer.
+#[tokio::test(start_paused = true)]
+async fn an_owed_range_whose_record_stopped_decoding_is_skipped_as_poison() {
+    support::on_harness(|h| async move {
+        let poisoned: Rc<RefCell<Vec<PoisonedRange>>> = Rc::default();
+        let seen = Rc::clone(&poisoned);
+        let (_s, b) = builder(&h);
+        let log = b
+            .leases(Leases::new().max_attempts(5).on_poison(move |range| {
+                seen.borrow_mut().push(range);
+                async { Ok::<(), HandlerError>(()) }
+            }))
+            .build()
+            .unwrap();
+        append(&log, records(0, 4)).await;
+        let held = lease(&log, "c", 2).await.unwrap();
+        assert_eq!(offsets(&held), [0, 1]);
+        let changed = h
+            .context()
+            .storage()
+            .execute(
+                "UPDATE durability_log_records SET payload = 'not json' WHERE \"offset\" = 1",
+                &[],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+        log.nack("c", &held.batch_id).await.unwrap();
+        let next = lease(&log, "c", 2).await.unwrap();
+        assert_eq!(offsets(&next), [2, 3], "the unreadable range was skipped");
+        tokio::task::yield_now().await;
+        let calls = poisoned.borrow().clone();
+        assert_eq!(calls.len(), 1);
+        assert_eq!((calls[0].first_offset, calls[0].last_offset), (0, 1));
+        assert_eq!(log.cursor("c").await.unwrap(), Some(2));
+    })
+    .await;
+}

@@ -422,3 +422,28 @@ fn memo_errors_convert_into_handler_errors_keeping_the_callbacks_own() {
     assert!(!codec.is_non_retryable());
     assert_eq!(codec.message(), "value is not JSON: x");
 }
+
+// Issue 10, defect 8: memo keys have the identifier limit of every
+// capability; the callback does not run.
+#[tokio::test(start_paused = true)]
+async fn a_memo_key_that_is_empty_or_too_long_is_an_error_and_the_callback_does_not_run() {
+    with_context(|ctx: Rc<dyn Context>| async move {
+        setup(ctx.storage(), &[("c1", "g1")]);
+        let memo = claim(&ctx, "c1", "g1");
+        let runs = Rc::new(Cell::new(0_u32));
+        for key in [String::new(), "k".repeat(1025)] {
+            let error = memo
+                .memoize(&key, charge(Rc::clone(&runs), "ch"))
+                .await
+                .unwrap_err();
+            assert!(error.to_string().starts_with("memo: memo key"), "{error}");
+        }
+        assert_eq!(runs.get(), 0);
+        assert!(memos(ctx.storage()).is_empty());
+        memo.memoize(&"k".repeat(1024), charge(Rc::clone(&runs), "ch"))
+            .await
+            .unwrap();
+        assert_eq!(runs.get(), 1);
+    })
+    .await;
+}

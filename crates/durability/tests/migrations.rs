@@ -872,3 +872,95 @@ fn a_crash_during_a_migration_batch_leaves_the_schema_before_or_after_it() {
         host.shutdown().await;
     });
 }
+
+// Issue 10, defect 5: a 3.x history table (with the `capability` and `down`
+// columns) that records 0004 only as the 2.x combined row. The tables
+// already have the 0004 columns; re-running the table rebuild would give
+// every existing row a new generation and created_at.
+#[tokio::test(start_paused = true)]
+async fn a_table_rebuild_already_in_the_schema_is_recorded_not_run_again() {
+    with_context(|ctx: Rc<dyn Context>| async move {
+        let storage = ctx.storage();
+        write_2x_database(storage);
+        storage
+            .execute_script(
+                "ALTER TABLE durability_migrations ADD COLUMN capability TEXT;
+                 ALTER TABLE durability_migrations ADD COLUMN down TEXT;",
+            )
+            .unwrap();
+        storage
+            .execute(
+                "INSERT INTO durability_calls (id, operation, payload, status, next_attempt_at, \
+                 generation_id, created_at) \
+                 VALUES ('c1', 'charge', '{\"kind\":\"undefined\"}', 'pending', 5, 'g-real', 42)",
+                &[],
+            )
+            .unwrap();
+        storage
+            .execute(
+                "INSERT INTO durability_alarms (name, generation_id, status, scheduled_at, \
+                 next_attempt_at, created_at) VALUES ('a1', 'g-alarm', 'pending', 7, 7, 43)",
+                &[],
+            )
+            .unwrap();
+        let done = migrate(
+            storage,
+            OPERATIONS_CAPABILITY,
+            OPERATIONS_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        assert_eq!(done, report(&[CALLS_0004], &[]), "recorded as applied");
+        migrate(
+            storage,
+            NAMED_ALARMS_CAPABILITY,
+            NAMED_ALARMS_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        let call = storage
+            .query_row(
+                "SELECT generation_id, created_at FROM durability_calls WHERE id = 'c1'",
+                &[],
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(call.get::<String>(0).unwrap(), "g-real");
+        assert_eq!(call.get::<i64>(1).unwrap(), 42);
+        let alarm = storage
+            .query_row(
+                "SELECT generation_id, created_at FROM durability_alarms WHERE name = 'a1'",
+                &[],
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(alarm.get::<String>(0).unwrap(), "g-alarm");
+        assert_eq!(alarm.get::<i64>(1).unwrap(), 43);
+        assert!(is_schema_current(storage, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS).unwrap());
+        // Reverting and re-applying still runs the rebuild for real.
+        migrate(
+            storage,
+            OPERATIONS_CAPABILITY,
+            OPERATIONS_MIGRATIONS,
+            named(CALLS_0002),
+        )
+        .unwrap();
+        let done = migrate(
+            storage,
+            OPERATIONS_CAPABILITY,
+            OPERATIONS_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        assert_eq!(done, report(&[CALLS_0004], &[]));
+        let call = storage
+            .query_row(
+                "SELECT generation_id FROM durability_calls WHERE id = 'c1'",
+                &[],
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(call.get::<String>(0).unwrap(), "legacy:c1");
+    })
+    .await;
+}

@@ -210,14 +210,19 @@ async fn an_id_owned_by_another_operation_is_rejected_and_writes_nothing() {
             error.to_string(),
             "Durable call \"order-1\" already belongs to operation \"charge\", not \"refund\""
         );
-        // Reading under the wrong operation is rejected the same way.
+        // Reading under the wrong operation is a mismatch naming both, not
+        // a duplicate call (nothing was called twice).
+        let mismatch = ops.result::<u32>("refund", "order-1").unwrap_err();
         assert!(matches!(
-            ops.result::<u32>("refund", "order-1"),
-            Err(DurabilityError::DuplicateCall { .. })
+            &mismatch,
+            DurabilityError::OperationMismatch { id, registered, requested }
+                if (id.as_str(), registered.as_str(), requested.as_str())
+                    == ("order-1", "charge", "refund")
         ));
+        assert_eq!(mismatch.kind(), durability::ErrorKind::OperationMismatch);
         assert!(matches!(
             ops.wait::<u32>("refund", "order-1", LONG_WAIT).await,
-            Err(DurabilityError::DuplicateCall { .. })
+            Err(DurabilityError::OperationMismatch { .. })
         ));
         settle().await;
         assert_eq!(table_snapshot(&*ctx, "durability_calls"), rows);
@@ -1097,7 +1102,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::NotPositive {
-                field: "methods.op.max_attempts".into()
+                field: "method(\"op\").max_attempts".into()
             }
         );
         let error = config_error(
@@ -1109,7 +1114,7 @@ async fn invalid_options_are_typed_config_errors() {
         assert_eq!(
             error,
             ConfigError::AboveTimerLimit {
-                field: "attempt_timeout_ms".into(),
+                field: "attempt_timeout".into(),
                 value_ms: 2_147_483_648
             }
         );
@@ -1119,9 +1124,7 @@ async fn invalid_options_are_typed_config_errors() {
                 .attempt_timeout(Duration::ZERO)
                 .build(),
         );
-        assert!(
-            matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout_ms")
-        );
+        assert!(matches!(error, ConfigError::NotPositive { field } if field == "attempt_timeout"));
         let error = config_error(
             Operations::builder(&scheduler)
                 .handler("op", noop)
@@ -1156,9 +1159,9 @@ async fn invalid_options_are_typed_config_errors() {
             assert!(
                 matches!(
                     error,
-                    ConfigError::OutOfRange {
-                        min: 1_000,
-                        max: 15_000,
+                    ConfigError::DurationOutOfRange {
+                        min_ms: 1_000,
+                        max_ms: 15_000,
                         ..
                     }
                 ),
@@ -1232,6 +1235,227 @@ async fn a_retry_delay_that_misbehaves_is_a_terminal_retry_policy_error() {
                 "{op}"
             );
         }
+    })
+    .await;
+}
+
+// Issue 10, defects 2 and 3: a payload the decoder could not read back is
+// refused at start, whatever its depth, without deep recursion.
+#[tokio::test(start_paused = true)]
+async fn a_payload_nested_deeper_than_the_decoder_reads_is_refused_and_stores_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("op", |_: DurableCall<serde_json::Value>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        // 127 levels: serde_json writes it, and could not read it back
+        // inside the stored envelope. 10,000 levels used to overflow the
+        // stack and abort the process.
+        for depth in [127, 10_000] {
+            let payload = support::nested_json(depth);
+            let error = ops.start("op", "deep", &payload).await.unwrap_err();
+            support::dismantle_json(payload);
+            assert!(matches!(error, DurabilityError::Codec(_)), "{error:?}");
+            assert!(
+                error
+                    .to_string()
+                    .contains("deeper than the limit of 100 levels"),
+                "{error}"
+            );
+        }
+        assert_eq!(calls(&*ctx), 0);
+        assert_eq!(physical_alarm(&*ctx).await, None);
+        // The deepest accepted payload runs its handler.
+        let payload = support::nested_json(100);
+        ops.start("op", "ok", &payload).await.unwrap();
+        support::dismantle_json(payload);
+        settle().await;
+        assert_eq!(status_of(&*ctx, "ok").as_deref(), Some("completed"));
+    })
+    .await;
+}
+
+// Issue 10, defect 8: the id limits of every capability, and a payload
+// limit counted on the payload's own JSON.
+#[tokio::test(start_paused = true)]
+async fn an_empty_or_overlong_id_and_an_oversized_payload_are_refused_and_store_nothing() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        let error = ops.start("op", "", &"x").await.unwrap_err();
+        assert_eq!(error.to_string(), "id must not be empty");
+        let error = ops.start("op", &"i".repeat(1025), &"x").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "id is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        // 1 MiB of JSON by default: a string of 2^20 - 2 characters and its
+        // two quotes fit; one character more does not.
+        let fits = "p".repeat((1 << 20) - 2);
+        let over = "p".repeat((1 << 20) - 1);
+        let error = ops.start("op", "big", &over).await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 1048577 bytes, above the limit of 1048576 (max_payload_bytes)"
+        );
+        assert_eq!(calls(&*ctx), 0);
+        ops.start("op", &"i".repeat(1024), &fits).await.unwrap();
+        assert_eq!(calls(&*ctx), 1);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_payload_bytes_is_configurable_and_bounded_at_build() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let builder = || {
+            Operations::builder(&scheduler).handler("op", |_: DurableCall<String>| async {
+                Ok::<_, HandlerError>(())
+            })
+        };
+        for (bytes, expected) in [
+            (0, "max_payload_bytes must be a positive integer"),
+            (
+                (32 << 20) + 1,
+                "max_payload_bytes must be between 1 and 33554432",
+            ),
+        ] {
+            let error = builder().max_payload_bytes(bytes).build().err().unwrap();
+            assert_eq!(error.to_string(), expected);
+        }
+        let error = builder()
+            .handler(&"h".repeat(1025), |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .err()
+            .unwrap();
+        assert_eq!(
+            error.to_string(),
+            "handler name is 1025 bytes, above the limit of 1024 (MAX_ID_BYTES)"
+        );
+        let ops = builder().max_payload_bytes(7).build().unwrap();
+        ops.start("op", "fits", "hello").await.unwrap();
+        let error = ops.start("op", "over", "hello!").await.unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "payload is 8 bytes, above the limit of 7 (max_payload_bytes)"
+        );
+    })
+    .await;
+}
+
+/// The message of a builder's error, or `None` when it built.
+fn build_error<T>(built: Result<T, impl std::fmt::Display>) -> Option<String> {
+    built.err().map(|error| error.to_string())
+}
+
+// Issue 10, defect 6: a duration that is not whole milliseconds is refused
+// by every setter that takes one, naming the setter.
+#[tokio::test(start_paused = true)]
+async fn durations_that_are_not_whole_milliseconds_are_refused_by_every_setter() {
+    support::on_harness(|h| async move {
+        let scheduler = scheduler(&h);
+        let odd = Duration::from_micros(1_500);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let rule = "attempt_timeout must be a whole number of milliseconds, got 1.5ms";
+        let operations = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(operations).as_deref(), Some(rule));
+        let alarms = durability::Alarms::builder(&scheduler)
+            .handler("a", |_| async { Ok::<_, HandlerError>(()) })
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(alarms).as_deref(), Some(rule));
+        let consumer = || {
+            durability::fanout::Target::consumer(
+                |_: Vec<durability::fanout::FanoutMessage<String>>| async {
+                    Ok::<_, HandlerError>(())
+                },
+            )
+        };
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .attempt_timeout(odd)
+            .build();
+        assert_eq!(build_error(fanout).as_deref(), Some(rule));
+        let fanout = durability::Fanout::<String>::builder(&scheduler)
+            .target("t", consumer())
+            .batch_delay(odd)
+            .build();
+        assert_eq!(
+            build_error(fanout).as_deref(),
+            Some("batch_delay must be a whole number of milliseconds, got 1.5ms")
+        );
+        // Whole milliseconds still build, each on a scheduler of its own.
+        Operations::builder(&Scheduler::new(h.context()).unwrap())
+            .handler("op", noop)
+            .attempt_timeout(Duration::from_micros(2_000))
+            .build()
+            .unwrap();
+    })
+    .await;
+}
+
+// Issue 10, defect 7: every setting is bounded at build with a typed error,
+// never a panic later or a failure of the work at its first retry.
+#[tokio::test(start_paused = true)]
+async fn every_setting_is_bounded_at_build_with_a_typed_error() {
+    support::on_harness(|h| async move {
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Scheduler::builder(h.context())
+                .alarm_concurrency(usize::MAX)
+                .build()
+                .err()
+                .map(|error| error.to_string())
+        }));
+        assert_eq!(
+            built.expect("no panic").as_deref(),
+            Some("alarm_concurrency must be between 1 and 10000")
+        );
+        let scheduler = scheduler(&h);
+        let noop = |_: DurableCall<()>| async { Ok::<_, HandlerError>(()) };
+        let cases = [
+            (
+                Delay::Fixed { ms: 1e300 },
+                "retry_delay.ms must be between 0 and 31536000000",
+            ),
+            (
+                Delay::Exponential {
+                    initial_ms: 1_000.0,
+                    max_ms: 1e300,
+                },
+                "retry_delay.max_ms must be between 0 and 31536000000",
+            ),
+        ];
+        for (delay, rule) in cases {
+            let built = Operations::builder(&scheduler)
+                .handler("op", noop)
+                .retry_delay(delay)
+                .build();
+            assert_eq!(build_error(built).as_deref(), Some(rule));
+        }
+        let built = Operations::builder(&scheduler)
+            .handler("op", noop)
+            .method("op", MethodPolicy::new().delay(Delay::Fixed { ms: 1e300 }))
+            .build();
+        assert_eq!(
+            build_error(built).as_deref(),
+            Some("method(\"op\").delay.ms must be between 0 and 31536000000")
+        );
     })
     .await;
 }

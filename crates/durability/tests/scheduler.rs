@@ -752,9 +752,17 @@ async fn invalid_scheduler_options_are_typed_errors() {
             let out = Scheduler::builder(Rc::clone(&ctx))
                 .alarm_min_delay(delay)
                 .build();
+            // Named by the setter; the rule and its units in the message.
+            let Err(error) = out else {
+                panic!("{delay:?} was accepted");
+            };
             assert!(
-                matches!(out, Err(ConfigError::OutOfRange { .. })),
+                matches!(&error, ConfigError::DurationOutOfRange { field, .. } if field == "alarm_min_delay"),
                 "{delay:?}"
+            );
+            assert_eq!(
+                error.to_string(),
+                "alarm_min_delay must be a whole number of milliseconds from 1000 ms to 15000 ms"
             );
         }
         let handoff = Scheduler::builder(Rc::clone(&ctx))

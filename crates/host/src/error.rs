@@ -65,6 +65,12 @@ pub enum HostError {
     /// The host is shutting down or its executors stopped.
     #[error("the host is shut down")]
     ShutDown,
+    /// No namespace of this name is registered on this host.
+    #[error("namespace {name:?} is not registered on this host")]
+    UnknownNamespace {
+        /// The namespace's name.
+        name: String,
+    },
 }
 
 /// Why a call through a [`crate::Stub`] failed. The call's own result type
@@ -104,6 +110,17 @@ pub enum CallError {
     /// possible if a namespace was registered with two object types.
     #[error("object {id} is not of the type this stub expects")]
     WrongType {
+        /// The object's id.
+        id: String,
+    },
+    /// `Stub::run_local` (feature `testing`) was called on a host whose
+    /// object does not run on the calling thread: only an inline host
+    /// (`threads(0)`) driven by this thread can hand back a value that is
+    /// not `Send`.
+    #[error(
+        "object {id} does not run on this thread; run_local needs an inline host (threads(0)) on the caller's LocalSet"
+    )]
+    NotOnThisThread {
         /// The object's id.
         id: String,
     },

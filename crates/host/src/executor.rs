@@ -27,7 +27,10 @@ use crate::id::object_path;
 use crate::index::{IndexWrite, IndexedAlarm};
 use crate::residency::{Admission, Residency};
 use crate::storage::ObjectStorage;
-use crate::{BoxError, CallError, DurableObject};
+use crate::{BoxError, CallError, DurableObject, NoAlarmHandler};
+
+#[cfg(feature = "testing")]
+pub(crate) mod testing;
 
 /// Work sent to an executor from any thread.
 pub(crate) type Job = Box<dyn FnOnce(&Rc<Executor>) + Send>;
@@ -277,10 +280,19 @@ pub(crate) struct Executor {
     /// Wakes the alarm loop when the schedule changed.
     wake: Notify,
     closed: Cell<bool>,
+    /// Storage failures a test armed for the next commit of an object.
+    #[cfg(feature = "testing")]
+    injected_failures: RefCell<HashMap<ObjectId, durability_platform::StorageError>>,
 }
 
-/// Runs one executor until its host is dropped or shut down.
-pub(crate) async fn run(core: Arc<HostCore>, index: usize, mut jobs: mpsc::UnboundedReceiver<Job>) {
+/// Makes executor `index` and returns its loop, which runs until its host
+/// is dropped or shut down. The executor exists (and, with the `testing`
+/// feature, is reachable from this thread) before the loop first runs.
+pub(crate) fn run(
+    core: Arc<HostCore>,
+    index: usize,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+) -> impl std::future::Future<Output = ()> {
     let executor = Rc::new_cyclic(|me| Executor {
         core,
         me: me.clone(),
@@ -290,15 +302,24 @@ pub(crate) async fn run(core: Arc<HostCore>, index: usize, mut jobs: mpsc::Unbou
         schedule: RefCell::new(Schedule::default()),
         wake: Notify::new(),
         closed: Cell::new(false),
+        #[cfg(feature = "testing")]
+        injected_failures: RefCell::new(HashMap::new()),
     });
-    tokio::task::spawn_local(alarm_loop(Rc::clone(&executor)));
-    while let Some(job) = jobs.recv().await {
-        job(&executor);
-        if executor.closed.get() {
-            break;
+    // Lets a test on this thread reach the executor without a `Send` job.
+    #[cfg(feature = "testing")]
+    let registered = testing::register(&executor);
+    async move {
+        #[cfg(feature = "testing")]
+        let _registered = registered;
+        tokio::task::spawn_local(alarm_loop(Rc::clone(&executor)));
+        while let Some(job) = jobs.recv().await {
+            job(&executor);
+            if executor.closed.get() {
+                break;
+            }
         }
+        executor.close();
     }
-    executor.close();
 }
 
 /// Sleeps until the next alarm is due or the schedule changes, then fires
@@ -756,17 +777,33 @@ impl Executor {
             }
             Some(_) => {}
         }
+        let info = AlarmInfo {
+            retry_count: entry.retry_count,
+            is_retry: entry.retry_count > 0,
+        };
+        self.deliver_alarm(&slot, id, entry, info, None);
+    }
+
+    /// Runs the alarm handler of the live object in `slot` with `info`;
+    /// the run's end (see [`AlarmRun::finish`]) clears, keeps or retries
+    /// the alarm. `report`, when given, learns how the handler ended.
+    fn deliver_alarm(
+        self: &Rc<Self>,
+        slot: &Rc<Slot>,
+        id: ObjectId,
+        entry: Entry,
+        info: AlarmInfo,
+        report: Option<AlarmReport>,
+    ) {
         self.schedule.borrow_mut().running.insert(id.clone());
         let run = AlarmRun {
             executor: Rc::clone(self),
             id: id.clone(),
             entry: Some(entry.clone()),
+            report,
         };
-        let info = AlarmInfo {
-            retry_count: entry.retry_count,
-            is_retry: entry.retry_count > 0,
-        };
-        let lateness_ms = (entry.retry_count == 0).then(|| now_ms.saturating_sub(entry.at_ms));
+        let lateness_ms =
+            (entry.retry_count == 0).then(|| self.core.clock.now_ms().saturating_sub(entry.at_ms));
         crate::telemetry::alarm_fired(&entry.namespace, lateness_ms);
         let span = tracing::info_span!(
             "alarm",
@@ -777,7 +814,7 @@ impl Executor {
         let activity = slot.state.begin_call();
         let guard = self.core.work.begin();
         let object = Rc::clone(&slot.object);
-        let slot_for_run = Rc::clone(&slot);
+        let slot_for_run = Rc::clone(slot);
         let task = async move {
             slot_for_run.ctx.object_storage().begin_fire();
             let result = object.deliver_alarm(info).await;
@@ -818,13 +855,31 @@ struct AlarmRun {
     executor: Rc<Executor>,
     id: ObjectId,
     entry: Option<Entry>,
+    /// Who asked for this run and waits for its outcome (a test firing
+    /// the alarm now); dropped unanswered if the run is aborted.
+    report: Option<AlarmReport>,
 }
+
+/// Learns how an alarm handler ended: `Err` carries its error's text.
+pub(crate) type AlarmReport = tokio::sync::oneshot::Sender<Result<(), String>>;
 
 impl AlarmRun {
     fn finish(mut self, slot: &Slot, result: Result<(), BoxError>) {
         let Some(entry) = self.entry.take() else {
             return;
         };
+        let report = self.report.take();
+        let outcome = result.as_ref().map(|_| ()).map_err(ToString::to_string);
+        self.settle(slot, entry, result);
+        // Only now: whoever waits (on another thread, perhaps) must see
+        // the alarm already cleared, kept or rescheduled.
+        if let Some(report) = report {
+            let _ = report.send(outcome);
+        }
+    }
+
+    /// Clears, keeps or reschedules the alarm after its handler ended.
+    fn settle(&self, slot: &Slot, entry: Entry, result: Result<(), BoxError>) {
         let executor = &self.executor;
         let storage = slot.ctx.object_storage();
         let changed = storage.end_fire();
@@ -842,6 +897,21 @@ impl AlarmRun {
             }
             Err(error) if changed => {
                 tracing::warn!(%error, "alarm handler failed after setting a new alarm; the new alarm stands");
+            }
+            Err(error) if error.is::<NoAlarmHandler>() => {
+                // Whoever armed this alarm (a capability's scheduler) has
+                // work behind it that only the object's handler can run:
+                // clearing it would strand that work, retrying cannot
+                // help. It stays in the file, out of this process's
+                // schedule until the object is built again or sets a new
+                // alarm.
+                tracing::error!(
+                    object = %self.id,
+                    namespace = %entry.namespace,
+                    %error,
+                    "alarm fired for an object that does not handle alarms; it is kept in storage, not retried"
+                );
+                return;
             }
             Err(error) => {
                 if executor

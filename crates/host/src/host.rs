@@ -23,6 +23,11 @@ use crate::residency::{Residency, default_max_live_objects};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
 
+#[cfg(feature = "testing")]
+mod testing;
+#[cfg(feature = "testing")]
+pub use testing::FiredAlarm;
+
 /// How hard SQLite works to make a commit survive a power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Synchronous {
@@ -77,6 +82,9 @@ struct HostShared {
     core: Arc<HostCore>,
     executors: Vec<mpsc::UnboundedSender<Job>>,
     shutdown_grace: Duration,
+    /// The settings this host was built with, for [`Host::restart`].
+    #[cfg(feature = "testing")]
+    builder: HostBuilder,
 }
 
 /// The embedded object host: namespaces of objects, one SQLite file and one
@@ -223,6 +231,8 @@ impl HostBuilder {
     /// host starts its own runtimes; [`Host::shutdown`] needs a tokio
     /// runtime with time enabled.
     pub fn build(self) -> Result<Host, HostError> {
+        #[cfg(feature = "testing")]
+        let builder = self.clone();
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
@@ -298,6 +308,8 @@ impl HostBuilder {
                 core,
                 executors,
                 shutdown_grace: self.shutdown_grace,
+                #[cfg(feature = "testing")]
+                builder,
             }),
         };
         host.load_alarms(alarms);
@@ -377,9 +389,20 @@ impl Host {
         factory: impl Fn(ObjectContext) -> Result<T, BoxError> + Send + Sync + 'static,
     ) -> Result<Namespace<T>, HostError> {
         validate_name("namespace name", name)?;
-        let core = &self.shared.core;
         let constructor: Constructor =
             Arc::new(move |ctx| factory(ctx).map(|object| Rc::new(object) as Rc<dyn ErasedObject>));
+        let registered = self.register(name, constructor)?;
+        Ok(Namespace {
+            host: self.clone(),
+            name: registered,
+            _object: PhantomData,
+        })
+    }
+
+    /// Adds namespace `name` and tells every executor, which wakes the
+    /// alarms that waited for it.
+    fn register(&self, name: &str, constructor: Constructor) -> Result<Arc<str>, HostError> {
+        let core = &self.shared.core;
         {
             let mut namespaces = core.namespaces.write().map_err(|_| HostError::ShutDown)?;
             if namespaces.contains_key(name) {
@@ -396,11 +419,7 @@ impl Host {
                 e.namespace_registered(&registered);
             }));
         }
-        Ok(Namespace {
-            host: self.clone(),
-            name: registered,
-            _object: PhantomData,
-        })
+        Ok(registered)
     }
 
     /// Evicts object `id` now if it is live: drops it, aborts its
@@ -434,6 +453,16 @@ impl Host {
                 "shutdown grace elapsed with work still in flight; it is dropped"
             );
         }
+        self.close_executors().await;
+        // Every executor closed its objects: another host may take over.
+        if let Ok(mut lock) = shared.core.lock.lock() {
+            lock.take();
+        }
+    }
+
+    /// Evicts every object of every executor and stops their alarm loops.
+    async fn close_executors(&self) {
+        let shared = &self.shared;
         let mut acks = Vec::new();
         for executor in &shared.executors {
             let (tx, rx) = oneshot::channel();
@@ -447,10 +476,6 @@ impl Host {
         }
         for ack in acks {
             let _ = ack.await;
-        }
-        // Every executor closed its objects: another host may take over.
-        if let Ok(mut lock) = shared.core.lock.lock() {
-            lock.take();
         }
     }
 

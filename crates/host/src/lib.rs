@@ -17,6 +17,12 @@
 //! listing of a data directory), [`telemetry`] (metric names).
 //!
 //! [`Host`] opens with a runnable example: a namespace, a stub, a call.
+//!
+//! Feature `testing` adds what a test kit needs (the `durability-test`
+//! crate is built on it): running an object's alarm now, running non-`Send`
+//! closures in an object, a restart on the same directory, reading an
+//! object's tables, and a storage failure injected at the next commit.
+//! Enable it in `[dev-dependencies]` only.
 
 #![warn(missing_docs)]
 
@@ -39,6 +45,8 @@ pub use context::ObjectContext;
 pub use durability_platform::{AlarmInfo, ObjectId};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
+#[cfg(feature = "testing")]
+pub use host::FiredAlarm;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
     MAX_THREADS, Namespace, Stub, Synchronous,
@@ -54,9 +62,29 @@ pub type BoxError = Box<dyn std::error::Error>;
 pub trait DurableObject: 'static {
     /// Called when the object's alarm fires. Returning `Err` makes the host
     /// retry after 2 s, 4 s, 8 s, ... ([`ALARM_MAX_RETRIES`] times at most).
-    /// Default: does nothing and returns `Ok(())`.
+    ///
+    /// An object whose capabilities arm the alarm (a `durability`
+    /// scheduler) must delegate to them here. Default: returns
+    /// [`NoAlarmHandler`], which the host treats as a mistake, not as a
+    /// delivery: it logs an error, keeps the alarm in storage and does not
+    /// retry it, so work behind the alarm is never cleared away unseen.
     fn alarm(&self, info: AlarmInfo) -> impl Future<Output = Result<(), BoxError>> {
         let _ = info;
-        async { Ok(()) }
+        async { Err(Box::new(NoAlarmHandler) as BoxError) }
     }
 }
+
+/// The error of an alarm delivered to an object that does not handle
+/// alarms: the default [`DurableObject::alarm`] returns it, and so may an
+/// object whose alarm handler is missing a part it needs (a test harness
+/// without its scheduler).
+///
+/// The host never clears an alarm that ended with this error (the work
+/// behind it would be stranded) and never retries it (it cannot succeed):
+/// it logs an error and keeps the alarm in the object's file, where the
+/// object's next construction or next alarm change schedules it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the object's alarm fired but the object does not handle alarms (implement DurableObject::alarm and delegate to its scheduler)"
+)]
+pub struct NoAlarmHandler;

@@ -317,6 +317,16 @@ impl ObjectStorage {
     /// Commits the outer transaction, keeping the alarm index conservative.
     fn commit(&self) -> Result<(), StorageError> {
         let pending = self.pending.take();
+        #[cfg(feature = "testing")]
+        if let Some(error) = self
+            .executor
+            .upgrade()
+            .and_then(|executor| executor.take_injected_failure(&self.id))
+        {
+            // As if COMMIT itself had failed: nothing of the body stays.
+            self.rollback();
+            return Err(error);
+        }
         if let Some(Some(at)) = pending {
             // Lower the index before the file can hold an earlier alarm: a
             // crash after this commit must still find the object due.

@@ -506,3 +506,46 @@ async fn the_object_file_is_the_truth_when_the_index_is_early_or_stale() {
     })
     .await;
 }
+
+/// An object type that does not implement `alarm`.
+struct Silent(ObjectContext);
+impl DurableObject for Silent {}
+
+#[tokio::test(start_paused = true)]
+async fn an_alarm_of_an_object_that_does_not_handle_alarms_is_kept_not_cleared_nor_retried() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = inline_host(dir.path());
+        let silent = host
+            .namespace("silent", |ctx| Ok(Silent(ctx)))
+            .unwrap()
+            .stub("s")
+            .unwrap();
+        let at = host.now_ms() + 1_000;
+        silent
+            .call(move |o: Rc<Silent>| async move { o.0.storage().set_alarm(at).await })
+            .await
+            .unwrap()
+            .unwrap();
+        // Long enough for the first delivery and every retry a failure
+        // would get (2 + 4 + ... + 64 s).
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        host.shutdown().await;
+        // The work behind it (a scheduler's rows) would be stranded if the
+        // alarm were cleared: it stays in the file for the next host.
+        let host = inline_host(dir.path());
+        let silent = host
+            .namespace("silent", |ctx| Ok(Silent(ctx)))
+            .unwrap()
+            .stub("s")
+            .unwrap();
+        let kept = silent
+            .call(|o: Rc<Silent>| async move { o.0.storage().get_alarm().await })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(kept, Some(at));
+        host.shutdown().await;
+    })
+    .await;
+}

@@ -427,7 +427,16 @@ where
             let write = Rc::clone(write);
             let state = Rc::clone(state);
             async move {
-                let body = codec::decode_as::<B>(&state.claim.payload)?;
+                let body = match codec::decode_as::<B>(&state.claim.payload) {
+                    Ok(body) => body,
+                    // Its own failure, not the batch's first one: the retry
+                    // must record why this message could not be written.
+                    Err(error) => {
+                        let error = HandlerError::from(error);
+                        state.fail_before_delivery(error.clone());
+                        return Err(error);
+                    }
+                };
                 let row = &state.claim.row;
                 write(StoredMessage {
                     id: row.identity(),

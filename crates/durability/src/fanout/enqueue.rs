@@ -21,6 +21,7 @@ use super::store::{self, DELIVERIES, Manifest, json_pair};
 use super::{Fanout, Inner, entity};
 use crate::codec;
 use crate::lifecycle::LifecycleEvent;
+use crate::limits::{self, LimitError};
 use crate::load::{Direction, LoadSnapshot};
 
 /// One message to enqueue.
@@ -210,10 +211,12 @@ where
     /// the whole batch and its frozen target set commit together, or
     /// nothing does.
     ///
-    /// `Ok(Rejected)` is a definite rejection with nothing written: an empty
-    /// or unknown or repeated target, an empty id or key, a body that is not
-    /// JSON or is too large, or a deduplication key already naming other
-    /// work. `Err` means storage failed and the batch may or may not have
+    /// `Ok(Rejected)` is a definite rejection with nothing written: more
+    /// than `max_enqueue_messages` messages, an empty or unknown or repeated
+    /// target, an empty id or key or one longer than
+    /// [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES), a body that is not
+    /// JSON or is larger than `max_body_bytes`, or a deduplication key
+    /// already naming other work. `Err` means storage failed and the batch may or may not have
     /// committed. A message whose key is retained with the same id, body and
     /// targets is accepted again without new rows. An empty batch is
     /// accepted and writes nothing.
@@ -276,6 +279,20 @@ impl<B> Inner<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
+    /// At most `max_enqueue_messages` messages (or parked ids) per call: a
+    /// call is one transaction, which holds the object's only writer.
+    pub(crate) fn check_count(&self, count: usize) -> Result<(), EnqueueRejection> {
+        if count > self.max_enqueue_messages {
+            return Err(EnqueueRejection::TooManyMessages(LimitError::TooMany {
+                field: "messages",
+                count,
+                max: self.max_enqueue_messages,
+                limit: "max_enqueue_messages",
+            }));
+        }
+        Ok(())
+    }
+
     /// The requested targets, or all of them, checked and sorted.
     pub(crate) fn resolve_targets(
         &self,
@@ -300,12 +317,14 @@ where
         Ok(Rc::new(set))
     }
 
-    /// Ids, keys and stored bodies, checked before any storage is touched.
+    /// The count, ids, keys and stored bodies, checked before any storage is
+    /// touched.
     fn prepare(
         &self,
         messages: Vec<FanoutInput<B>>,
         targets: &Rc<TargetSet>,
     ) -> Result<Vec<Entry>, EnqueueRejection> {
+        self.check_count(messages.len())?;
         let mut entries = Vec::with_capacity(messages.len());
         for (index, message) in messages.into_iter().enumerate() {
             let id = message.id.unwrap_or_else(|| self.engine.new_generation());
@@ -319,12 +338,16 @@ where
                     field: "deduplication key",
                 });
             }
+            let too_long = |limit| EnqueueRejection::Limit { index, limit };
+            limits::check_id("id", &id).map_err(too_long)?;
+            limits::check_id("deduplication key", &key).map_err(too_long)?;
             let payload = codec::encode(&message.body)
                 .map_err(|source| EnqueueRejection::BodyNotJson { index, source })?;
-            if payload.len() > self.max_body_bytes {
+            let bytes = codec::body_bytes(&payload);
+            if bytes > self.max_body_bytes {
                 return Err(EnqueueRejection::BodyTooLarge {
                     index,
-                    bytes: payload.len(),
+                    bytes,
                     max_bytes: self.max_body_bytes,
                 });
             }

@@ -19,6 +19,7 @@ use thiserror::Error;
 use super::message::SettlementOutcome;
 use crate::codec::CodecError;
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
+use crate::limits::LimitError;
 use crate::record::DurableTable;
 
 /// The `name` of an enqueue rejection.
@@ -121,9 +122,16 @@ pub enum EnqueueRejection {
         #[source]
         source: CodecError,
     },
-    /// A body above the configured maximum, measured as stored text.
+    /// A message id or deduplication key longer than
+    /// [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES).
+    #[error("message {index}: {limit}")]
+    Limit { index: usize, limit: LimitError },
+    /// More messages in one call than `max_enqueue_messages`.
+    #[error(transparent)]
+    TooManyMessages(LimitError),
+    /// A body above `max_body_bytes`, measured as the body's own JSON.
     #[error(
-        "the body of message {index} is {bytes} bytes when stored, above the maximum of {max_bytes}"
+        "the body of message {index} is {bytes} bytes of JSON, above the limit of {max_bytes} (max_body_bytes)"
     )]
     BodyTooLarge {
         index: usize,

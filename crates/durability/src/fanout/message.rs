@@ -120,9 +120,40 @@ pub struct StoredMessage<B> {
     pub failure: Option<Failure>,
 }
 
-/// A settlement in progress. It runs whether or not it is awaited (like a
-/// started promise); awaiting it gives its outcome. Cloning shares it.
+/// A settlement that has already started: unlike most Rust futures it is
+/// **eager**. The call that returned it (`ack`, `retry`, `retry_after`,
+/// `dead_letter`) has already claimed the message's one settlement and
+/// started the commit; dropping a `Settling` unawaited does not cancel it,
+/// it only throws away the outcome. Awaiting it gives that outcome
+/// (a rejection, or a storage failure after which the message is retried).
+/// Cloning shares it.
+///
+/// Why eager: the first settlement call is binding at the moment it is
+/// made (the reference library's rule, and what a consumer that settles
+/// some messages and returns relies on: with `ack_on_return`, everything
+/// not settled *by a call* is acked on return). A lazy settlement dropped
+/// unawaited would silently turn an explicit `dead_letter` into an ack.
+///
+/// The eagerness cannot go unnoticed: the type and the calls are
+/// `#[must_use]`, so `message.ack();` warns; write
+/// `message.ack().await?` (or `drop(message.ack());` to settle without
+/// learning the outcome, on purpose).
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// fn settle(message: &durability::fanout::FanoutMessage<String>) {
+///     message.ack(); // warns: the outcome of an eager settlement is dropped
+/// }
+/// ```
+///
+/// ```
+/// #![deny(unused_must_use)]
+/// fn settle(message: &durability::fanout::FanoutMessage<String>) {
+///     drop(message.ack()); // settles; the outcome is ignored on purpose
+/// }
+/// ```
 #[derive(Clone)]
+#[must_use = "the settlement has already started (it is eager); await it to learn whether it was accepted, or `drop` it to ignore the outcome on purpose"]
 pub struct Settling(Shared<LocalBoxFuture<'static, Result<(), SettlementError>>>);
 
 impl Settling {
@@ -162,6 +193,9 @@ impl fmt::Debug for Settling {
 /// is binding; a second one, or any call after the consumer returned or the
 /// batch timed out, is rejected with [`SettlementError`]. A message the
 /// consumer leaves unsettled is retried, unless the target acks on return.
+///
+/// Settlement calls are eager: the call itself settles, and the returned
+/// [`Settling`] only reports the outcome (see there for why).
 pub struct FanoutMessage<B> {
     /// The message id (given at enqueue, or generated).
     pub id: String,
@@ -191,12 +225,14 @@ where
     B: Serialize + DeserializeOwned + 'static,
 {
     /// Marks the message delivered: its row is removed in one transaction.
+    #[must_use = "the settlement has already started; await it to learn its outcome"]
     pub fn ack(&self) -> Settling {
         self.fanout.ack(&self.state)
     }
 
     /// Asks for another delivery after the target's retry delay (or a dead
     /// letter when the attempts are used up).
+    #[must_use = "the settlement has already started; await it to learn its outcome"]
     pub fn retry(&self) -> Settling {
         self.fanout.retry(&self.state, None)
     }
@@ -204,12 +240,14 @@ where
     /// Asks for another delivery after `delay` (whole milliseconds; zero is
     /// due at once, still behind first deliveries). A delay whose due time
     /// is beyond 2^53 - 1 ms is rejected and leaves the message unsettled.
+    #[must_use = "the settlement has already started; await it to learn its outcome"]
     pub fn retry_after(&self, delay: Duration) -> Settling {
         self.fanout.retry(&self.state, Some(delay))
     }
 
     /// Stops delivering this message to this target: it goes to the DLQ,
     /// or is parked when the fanout has none.
+    #[must_use = "the settlement has already started; await it to learn its outcome"]
     pub fn dead_letter(&self) -> Settling {
         self.fanout.dead_letter(&self.state)
     }

@@ -75,8 +75,11 @@
 //!   most [`MISSING_TARGET_POSTPONE_BATCH`] per pass (the reference takes a
 //!   delivery batch), so removing a target with a large backlog does not
 //!   turn the object into a loop of tiny transactions.
-//! - Bodies are limited to [`DEFAULT_MAX_BODY_BYTES`] of stored text by
-//!   default ([`FanoutBuilder::max_body_bytes`]); a larger body is rejected.
+//! - Bodies are limited to [`DEFAULT_MAX_BODY_BYTES`] of their own JSON by
+//!   default ([`FanoutBuilder::max_body_bytes`]; the stored envelope is not
+//!   counted); a larger body is rejected. Ids and keys are limited as in
+//!   [`crate::limits`], and one call carries at most
+//!   [`FanoutBuilder::max_enqueue_messages`] messages.
 //! - A timed-out consumer is not cancelled (it runs on as a background task
 //!   of the object, like an RPC that cannot be cancelled); its late
 //!   settlement calls are rejected.
@@ -118,11 +121,12 @@ use tokio::sync::watch;
 
 use crate::error::{ConfigError, DurabilityError, HandlerError};
 use crate::lifecycle::{Emitter, Entity, HookRegistration, LifecycleEvent, LifecycleHook};
+use crate::limits;
 use crate::load::{Load, LoadSnapshot};
 use crate::migrations::{
     self, FANOUT_CAPABILITY, FANOUT_MIGRATIONS, MigrationReport, MigrationTarget,
 };
-use crate::retry::{Delay, Policies, PolicyOptions};
+use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::{Engine, Scheduler};
 use crate::trace::TraceCapture;
 use store::DELIVERIES;
@@ -130,8 +134,8 @@ use target::{TargetKind, WriteFn};
 
 /// Default most messages per batch handed to a target.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 10;
-/// Default largest body, measured as its stored text (1 MiB).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Default largest body, measured as its own JSON (1 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = crate::limits::DEFAULT_MAX_BODY_BYTES;
 /// How long a removed target's due rows, and a dead letter whose DLQ write
 /// failed, wait before the next try; also the DLQ write's deadline.
 pub const INFRASTRUCTURE_RETRY: Duration = Duration::from_millis(60_000);
@@ -145,10 +149,12 @@ pub struct FanoutBuilder<B> {
     scheduler: Scheduler,
     targets: Vec<(String, Target<B>)>,
     policy: PolicyOptions,
+    attempt_timeout: Option<Duration>,
     dlq: Option<WriteFn<B>>,
     max_batch_size: usize,
     batch_delay: Duration,
     max_body_bytes: usize,
+    max_enqueue_messages: usize,
     routing: Option<Load>,
     hooks: Vec<LifecycleHook>,
     trace: Option<TraceCapture>,
@@ -194,10 +200,22 @@ where
         self
     }
 
-    /// Largest body accepted, measured as its stored text. Default 1 MiB;
-    /// at least 1. A larger body rejects its whole batch.
+    /// Largest body accepted, measured as the body's own JSON (what
+    /// `serde_json::to_string` writes for it). Default 1 MiB; from 1 byte
+    /// to 32 MiB ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)).
+    /// A larger body rejects its whole batch.
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.max_body_bytes = bytes;
+        self
+    }
+
+    /// Most messages one [`Fanout::enqueue`] (or parked ids one
+    /// [`Fanout::redrive_parked`]) may carry: each call is one transaction.
+    /// Default 1,000; from 1 to 100,000
+    /// ([`MAX_ITEMS_PER_CALL_LIMIT`](crate::limits::MAX_ITEMS_PER_CALL_LIMIT)).
+    /// A larger call is rejected whole.
+    pub fn max_enqueue_messages(mut self, messages: usize) -> Self {
+        self.max_enqueue_messages = messages;
         self
     }
 
@@ -208,10 +226,10 @@ where
     }
 
     /// How long a target has for one batch (its call and the settlements
-    /// it starts). Default 5 min.
+    /// it starts). Default 5 min; whole milliseconds, from 1 ms to
+    /// 2^31 - 1 ms.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.policy = self.policy.attempt_timeout_ms(ms);
+        self.attempt_timeout = Some(timeout);
         self
     }
 
@@ -246,36 +264,48 @@ where
     /// Validates the options, migrates the schema and attaches to the
     /// scheduler (one fanout per scheduler).
     pub fn build(self) -> Result<Fanout<B>, FanoutConfigError> {
-        if self.max_batch_size == 0 {
-            return Err(ConfigError::NotPositive {
-                field: "max_batch_size".into(),
-            }
-            .into());
-        }
-        let batch_delay_ms = i64::try_from(self.batch_delay.as_millis())
+        limits::check_setting(
+            "max_batch_size",
+            self.max_batch_size,
+            limits::MAX_ITEMS_PER_CALL_LIMIT,
+        )?;
+        let batch_delay_ms = i64::try_from(whole_millis("batch_delay", self.batch_delay)?)
             .ok()
             .filter(|ms| *ms <= MAX_SAFE_INTEGER)
             .ok_or_else(|| ConfigError::OutOfRange {
-                field: "batch_delay_ms".into(),
+                field: "batch_delay".into(),
                 min: 0,
                 max: MAX_SAFE_INTEGER.unsigned_abs(),
             })?;
-        if self.max_body_bytes == 0 {
-            return Err(ConfigError::NotPositive {
-                field: "max_body_bytes".into(),
-            }
-            .into());
-        }
+        limits::check_setting(
+            "max_body_bytes",
+            self.max_body_bytes,
+            limits::MAX_BODY_BYTES_LIMIT,
+        )?;
+        limits::check_setting(
+            "max_enqueue_messages",
+            self.max_enqueue_messages,
+            limits::MAX_ITEMS_PER_CALL_LIMIT,
+        )?;
         if self.targets.is_empty() {
             return Err(FanoutConfigError::NoTargets);
         }
         let mut policy = self.policy;
+        if let Some(timeout) = self.attempt_timeout {
+            policy = policy.attempt_timeout_ms(whole_millis("attempt_timeout", timeout)?);
+        }
         let mut targets = HashMap::with_capacity(self.targets.len());
         for (id, target) in self.targets {
             if id.is_empty() {
                 return Err(FanoutConfigError::InvalidTarget {
                     id,
                     rule: "a target id must be a non-empty string",
+                });
+            }
+            if id.len() > limits::MAX_ID_BYTES {
+                return Err(FanoutConfigError::InvalidTarget {
+                    id,
+                    rule: "a target id must be at most 1024 bytes (MAX_ID_BYTES)",
                 });
             }
             if target.ack_on_return && matches!(target.kind, TargetKind::Storage { .. }) {
@@ -295,7 +325,7 @@ where
             }
             targets.insert(id, target);
         }
-        let policies = policy.validate()?;
+        let policies = policy.validate_as("attempt_timeout", "retry_delay")?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter = engine.prepare_records(FANOUT_CAPABILITY, FANOUT_MIGRATIONS, self.hooks)?;
         let routing = self
@@ -309,6 +339,7 @@ where
             max_batch_size: self.max_batch_size,
             batch_delay_ms,
             max_body_bytes: self.max_body_bytes,
+            max_enqueue_messages: self.max_enqueue_messages,
             routing,
             emitter,
             running: RefCell::new(HashMap::new()),
@@ -360,10 +391,12 @@ where
             scheduler: scheduler.clone(),
             targets: Vec::new(),
             policy: PolicyOptions::default(),
+            attempt_timeout: None,
             dlq: None,
             max_batch_size: DEFAULT_MAX_BATCH_SIZE,
             batch_delay: Duration::ZERO,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_enqueue_messages: limits::DEFAULT_MAX_ENQUEUE_MESSAGES,
             routing: None,
             hooks: Vec::new(),
             trace: None,
@@ -410,6 +443,7 @@ pub(crate) struct Inner<B> {
     max_batch_size: usize,
     batch_delay_ms: EpochMs,
     max_body_bytes: usize,
+    max_enqueue_messages: usize,
     routing: Load,
     emitter: Emitter,
     /// The target passes running in this instance: a pass for a target that

@@ -32,6 +32,13 @@ where
     /// Up to `limit` parked dead letters, oldest first, after `after` (the
     /// last entry of the previous page). Each is a [`StoredMessage`] with its
     /// failure; `stored_at` is when it was parked.
+    ///
+    /// An entry whose body does not decode as `B` (stored before a change of
+    /// the body type) never hides the others: the page ends before it, and
+    /// a page that would start with it fails with
+    /// [`DurabilityError::Decode`] naming its id, which
+    /// [`purge_parked`](Fanout::purge_parked) removes (after reading it with
+    /// a `Fanout<serde_json::Value>` if it must be migrated).
     pub fn parked(
         &self,
         after: Option<&StoredMessage<B>>,
@@ -42,7 +49,15 @@ where
             after.map(|entry| (entry.stored_at, entry.id.as_str())),
             limit,
         )?;
-        rows.into_iter().map(stored_message).collect()
+        let mut entries = Vec::with_capacity(rows.len());
+        for row in rows {
+            match stored_message(row) {
+                Ok(entry) => entries.push(entry),
+                Err(error) if entries.is_empty() => return Err(error),
+                Err(_) => break,
+            }
+        }
+        Ok(entries)
     }
 
     /// Registers the parked deliveries `ids` again, each for its one target,
@@ -56,6 +71,12 @@ where
         ids: &[&str],
     ) -> Result<EnqueueResult<Vec<String>>, FanoutError> {
         let inner = &self.inner;
+        if let Err(error) = inner.check_count(ids.len()) {
+            return Ok(EnqueueResult::Rejected {
+                error,
+                load: inner.load()?,
+            });
+        }
         let inbound = inner.routing.begin(Direction::Inbound);
         let message_ids = RefCell::new(Vec::with_capacity(ids.len()));
         let registered = inner

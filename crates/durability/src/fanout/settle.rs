@@ -263,9 +263,13 @@ where
         &self,
         states: &[Rc<SettleState>],
     ) -> Result<(), SettlementError> {
+        // A message that never reached the consumer (its body did not
+        // decode) was not handled by this return: it stays a failed attempt.
         let unsettled: Vec<&Rc<SettleState>> = states
             .iter()
-            .filter(|state| state.outcome.get().is_none())
+            .filter(|state| {
+                state.outcome.get().is_none() && state.failed_before_delivery.borrow().is_none()
+            })
             .collect();
         if unsettled.is_empty() {
             return Ok(());
@@ -398,6 +402,23 @@ where
         let Some(dlq) = &self.dlq else {
             return self.park(claim, reason, error, timestamp).await;
         };
+        // A body this version cannot read cannot be handed to a typed DLQ
+        // either; retrying that write every minute would keep it out of
+        // sight for ever. It is parked with its raw stored body instead.
+        let body = match codec::decode_as::<B>(&claim.payload) {
+            Ok(body) => body,
+            Err(decode) => {
+                tracing::error!(
+                    event = "durability.fanout.undecodable_dead_letter",
+                    id = %claim.message_id,
+                    target = %row.target_id,
+                    error = %decode,
+                    "a dead letter's body does not decode; parked instead of written to the DLQ"
+                );
+                let error = error.or_else(|| Some(HandlerError::from(decode).serialize()));
+                return self.park(claim, reason, error, timestamp).await;
+            }
+        };
         let intent = self
             .transaction(|sql| {
                 store::persist_dead_letter_intent(
@@ -414,7 +435,6 @@ where
             return Err(SettlementError::Stale { id: row.id.clone() });
         }
         let written = async {
-            let body = codec::decode_as::<B>(&claim.payload)?;
             let stored = StoredMessage {
                 id: row.identity(),
                 message_id: claim.message_id.clone(),

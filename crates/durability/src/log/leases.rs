@@ -44,7 +44,7 @@ use durability_platform::{EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, MAX_TIMER_M
 use serde::de::DeserializeOwned;
 
 use super::store::{self, RangeRow, RangeState};
-use super::{Inner, LogError, LogRecord, RawRecord, require_consumer};
+use super::{Inner, LogError, LogRecord, require_consumer};
 use crate::error::{ConfigError, HandlerError};
 
 /// Default time a worker holds a leased range before it goes back to the pool.
@@ -158,13 +158,15 @@ impl Leases {
     pub(super) fn validate(self) -> Result<LeaseConfig, ConfigError> {
         let ms = self.lease.as_millis();
         if ms == 0 || !self.lease.subsec_nanos().is_multiple_of(1_000_000) {
-            return Err(ConfigError::NotPositive {
-                field: "leases.lease (whole milliseconds)".into(),
+            return Err(ConfigError::DurationOutOfRange {
+                field: "leases.lease_for".into(),
+                min_ms: 1,
+                max_ms: MAX_TIMER_MS,
             });
         }
         if ms > u128::from(MAX_TIMER_MS) {
             return Err(ConfigError::AboveTimerLimit {
-                field: "leases.lease".into(),
+                field: "leases.lease_for".into(),
                 value_ms: u64::try_from(ms).unwrap_or(u64::MAX),
             });
         }
@@ -276,7 +278,30 @@ pub(super) async fn lease<B: DeserializeOwned>(
             }
             // Read before reclaiming: a range whose records are gone fails
             // without being handed out to nobody.
-            let records = read_range::<B>(inner, owed.first_offset, owed.last_offset).await?;
+            let records = match read_range::<B>(inner, owed.first_offset, owed.last_offset).await {
+                Ok(records) => records,
+                // A record of the range stopped decoding after it was
+                // allocated (damage): the range can never be handed out
+                // whole again. With a poison hook it is skipped as poison
+                // now rather than failing every lease of the consumer;
+                // without one, the error names the record (commit past the
+                // range to go on).
+                Err(LogError::Decode { offset, .. }) if config.poison.is_some() => {
+                    tracing::warn!(
+                        event = "durability.log.range_undecodable",
+                        consumer,
+                        first_offset = owed.first_offset,
+                        last_offset = owed.last_offset,
+                        offset,
+                        "a leased range holds a record that no longer decodes"
+                    );
+                    if let Some((_, hook)) = &config.poison {
+                        skip_poison(inner, &owed, hook)?;
+                    }
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
             let batch_id = engine.new_generation();
             let expires_at = engine.now().saturating_add(config.lease_ms);
             let reclaimed = engine.transaction_sync(|sql| {
@@ -328,7 +353,15 @@ async fn allocate<B: DeserializeOwned>(
         }
     };
     let page = inner.read_raw(start, u64::from(limit), u64::MAX).await?;
-    let (Some(first), Some(last)) = (page.records.first(), page.records.last()) else {
+    if page.records.is_empty() {
+        return Ok(None);
+    }
+    // Decoded before the range is allocated, and cut before a record that
+    // does not decode: a range is only ever what its holder could read, and
+    // an undecodable record at `start` is an error naming it, skipped by
+    // committing past it.
+    let records = super::decode_prefix::<B>(page.records)?;
+    let (Some(first), Some(last)) = (records.first(), records.last()) else {
         return Ok(None);
     };
     let range = RangeRow {
@@ -342,11 +375,6 @@ async fn allocate<B: DeserializeOwned>(
     };
     let now = engine.now();
     engine.transaction_sync(|sql| store::insert_range(sql, &range, now))?;
-    let records = page
-        .records
-        .into_iter()
-        .map(RawRecord::decode)
-        .collect::<Result<Vec<_>, _>>()?;
     Ok(Some(Lease {
         batch_id: range.batch_id,
         consumer: range.consumer,

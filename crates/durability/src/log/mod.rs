@@ -53,6 +53,21 @@
 //!   holds fewer records than indexed, makes [`Log::read`] fail with
 //!   [`LogError::Truncated`] at the first missing offset, whose `oldest` is
 //!   where reading can resume. The reference would silently jump to the end.
+//! - **A record that does not decode never blocks the others.** A stored
+//!   record that no longer decodes into `B` (written before a change of the
+//!   body type, or damaged) ends the page before it: a read that starts
+//!   below it returns the records up to it, with `next_offset` at it. A read
+//!   (or a lease) that starts exactly at it fails with [`LogError::Decode`]
+//!   naming its offset, and nothing else. The consumer decides: skip it by
+//!   reading from `offset + 1` and committing past it (leased consumers
+//!   skip it with [`Log::commit`] too), or read it with a wider body type
+//!   (`serde_json::Value`) to migrate it. Appends refuse anything the
+//!   decoder could not read back ([`crate::codec::MAX_NESTING_DEPTH`]), so
+//!   only a type change or damage produces such a record. A leased range
+//!   is allocated only over records that decode; if one of its records
+//!   stops decoding later (damage), the range is skipped as poison when an
+//!   `on_poison` hook is configured; without one, handing it out again fails
+//!   with the same error until the consumer commits past the range.
 //! - **A commit cannot pass the end of the log** ([`LogError::CommitBeyondEnd`]):
 //!   it would make the consumer skip records appended later.
 //! - The log registers itself with the scheduler only to claim its tables
@@ -92,7 +107,8 @@ use serde::de::DeserializeOwned;
 use thiserror::Error;
 
 use crate::codec::{self, CodecError};
-use crate::error::{ConfigError, DurabilityError, SerializedError};
+use crate::error::{DurabilityError, SerializedError};
+use crate::limits::{self, LimitError};
 use crate::load::{Direction, Load, LoadSnapshot};
 use crate::migrations::{
     self, LOG_CAPABILITY, LOG_LEASES_CAPABILITY, LOG_LEASES_MIGRATIONS, LOG_MIGRATIONS,
@@ -297,6 +313,10 @@ pub enum AppendRejection {
     /// A deduplication key that is the empty string.
     #[error("records[{index}].key must not be empty")]
     EmptyKey { index: usize },
+    /// A key longer than [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES), or
+    /// a body larger than the log's `max_body_bytes`.
+    #[error("records[{index}]: {limit}")]
+    Limit { index: usize, limit: LimitError },
     /// A body that cannot be stored as JSON.
     #[error("records[{index}].body is not JSON: {source}")]
     Body {
@@ -359,7 +379,9 @@ pub enum LogError {
     /// Cold storage returned an empty locator; the records stay hot.
     #[error("Cold storage must return a non-empty locator (segment {first}..={last})")]
     EmptyLocator { first: u64, last: u64 },
-    /// A stored record does not decode into the log's body type.
+    /// The stored record at `offset` does not decode into the log's body
+    /// type. Only a read or lease starting at that offset fails with it;
+    /// skip it by reading from (and committing) `offset + 1`.
     #[error("record {offset} does not decode: {detail}")]
     Decode { offset: u64, detail: String },
     /// A commit beyond the next offset: the consumer would skip records
@@ -386,6 +408,7 @@ pub enum LogError {
 pub struct LogBuilder<B> {
     scheduler: Scheduler,
     max_batch_size: u32,
+    max_body_bytes: usize,
     retention: Option<Retention>,
     cold: Option<Rc<dyn ColdStorage>>,
     leases: Option<Leases>,
@@ -397,9 +420,20 @@ impl<B> LogBuilder<B>
 where
     B: Serialize + DeserializeOwned + 'static,
 {
-    /// The largest append batch, read page and cold segment. Default 100.
+    /// The largest append batch, read page and cold segment. Default 100;
+    /// from 1 to 100,000
+    /// ([`MAX_ITEMS_PER_CALL_LIMIT`](crate::limits::MAX_ITEMS_PER_CALL_LIMIT)).
     pub fn max_batch_size(mut self, records: u32) -> Self {
         self.max_batch_size = records;
+        self
+    }
+
+    /// Largest record body an append accepts, measured as the body's own
+    /// JSON. Default 1 MiB; from 1 byte to 32 MiB
+    /// ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)). A
+    /// larger body rejects its whole batch.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
         self
     }
 
@@ -433,12 +467,16 @@ where
     /// Validates the options, migrates the schema and claims the log's
     /// tables on the scheduler (one log per object).
     pub fn build(self) -> Result<Log<B>, DurabilityError> {
-        if self.max_batch_size == 0 {
-            return Err(ConfigError::NotPositive {
-                field: "max_batch_size".into(),
-            }
-            .into());
-        }
+        limits::check_setting(
+            "max_batch_size",
+            usize::try_from(self.max_batch_size).unwrap_or(usize::MAX),
+            limits::MAX_ITEMS_PER_CALL_LIMIT,
+        )?;
+        limits::check_setting(
+            "max_body_bytes",
+            self.max_body_bytes,
+            limits::MAX_BODY_BYTES_LIMIT,
+        )?;
         let retention = self.retention.map(Retention::validate).transpose()?;
         let leases = self.leases.map(Leases::validate).transpose()?;
         let engine = Rc::clone(&self.scheduler.engine);
@@ -449,6 +487,7 @@ where
         let inner = Rc::new(Inner {
             engine: Rc::clone(&engine),
             max_batch_size: self.max_batch_size,
+            max_body_bytes: self.max_body_bytes,
             retention,
             cold: self.cold,
             leases,
@@ -502,6 +541,7 @@ impl<B> fmt::Debug for Log<B> {
 struct Inner {
     engine: Rc<Engine>,
     max_batch_size: u32,
+    max_body_bytes: usize,
     retention: Option<Limits>,
     cold: Option<Rc<dyn ColdStorage>>,
     leases: Option<LeaseConfig>,
@@ -585,6 +625,33 @@ impl RawRecord {
     }
 }
 
+/// Decodes a page up to its first record that does not decode, which ends
+/// the page so that one bad record never hides the good ones before it.
+/// Fails only when the very first record does not decode: that error names
+/// its offset, which is what a consumer skips.
+fn decode_prefix<B: DeserializeOwned>(
+    records: Vec<RawRecord>,
+) -> Result<Vec<LogRecord<B>>, LogError> {
+    let mut decoded = Vec::with_capacity(records.len());
+    for raw in records {
+        match raw.decode() {
+            Ok(record) => decoded.push(record),
+            Err(error) => {
+                tracing::warn!(
+                    event = "durability.log.undecodable_record",
+                    %error,
+                    "a stored log record does not decode; the page ends before it"
+                );
+                if decoded.is_empty() {
+                    return Err(error);
+                }
+                break;
+            }
+        }
+    }
+    Ok(decoded)
+}
+
 struct RawPage {
     records: Vec<RawRecord>,
     next_offset: u64,
@@ -608,6 +675,7 @@ where
         LogBuilder {
             scheduler: scheduler.clone(),
             max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+            max_body_bytes: limits::DEFAULT_MAX_BODY_BYTES,
             retention: None,
             cold: None,
             leases: None,
@@ -693,6 +761,17 @@ where
                 Ok(payload) => payload,
                 Err(source) => return rejected(AppendRejection::Body { index, source }),
             };
+            let body_bytes = codec::body_bytes(&payload);
+            if let Err(limit) =
+                limits::check_body("body", body_bytes, inner.max_body_bytes, "max_body_bytes")
+            {
+                return rejected(AppendRejection::Limit { index, limit });
+            }
+            if let Some(key) = record.key.as_deref().filter(|key| !key.is_empty())
+                && let Err(limit) = limits::check_id("key", key)
+            {
+                return rejected(AppendRejection::Limit { index, limit });
+            }
             match record.key.as_deref() {
                 Some("") => return rejected(AppendRejection::EmptyKey { index }),
                 Some(key) => {
@@ -864,15 +943,14 @@ where
                 read.max_bytes.unwrap_or(u64::MAX),
             )
             .await?;
-        crate::telemetry::log_read(page.records.len());
+        let end = page.next_offset.saturating_add(page.lag);
+        let records = decode_prefix(page.records)?;
+        let next_offset = records.last().map_or(page.next_offset, |r| r.offset + 1);
+        crate::telemetry::log_read(records.len());
         Ok(LogPage {
-            records: page
-                .records
-                .into_iter()
-                .map(RawRecord::decode)
-                .collect::<Result<_, _>>()?,
-            next_offset: page.next_offset,
-            lag: page.lag,
+            records,
+            next_offset,
+            lag: end.saturating_sub(next_offset),
         })
     }
 
@@ -1013,6 +1091,12 @@ fn require_consumer(consumer: &str) -> Result<(), LogError> {
         return Err(LogError::InvalidArgument {
             field: "consumer",
             rule: "must not be empty",
+        });
+    }
+    if consumer.len() > limits::MAX_ID_BYTES {
+        return Err(LogError::InvalidArgument {
+            field: "consumer",
+            rule: "must be at most 1024 bytes (MAX_ID_BYTES)",
         });
     }
     Ok(())

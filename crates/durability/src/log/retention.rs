@@ -85,16 +85,18 @@ impl Retention {
             Some(age) => {
                 let ms = age.as_millis();
                 if ms == 0 || !age.subsec_nanos().is_multiple_of(1_000_000) {
-                    return Err(ConfigError::NotPositive {
-                        field: "retention.max_age (whole milliseconds)".into(),
+                    return Err(ConfigError::DurationOutOfRange {
+                        field: "retention.max_age".into(),
+                        min_ms: 1,
+                        max_ms: MAX_SAFE_INTEGER.unsigned_abs(),
                     });
                 }
                 let max = u128::try_from(MAX_SAFE_INTEGER).unwrap_or(u128::MAX);
                 if ms > max {
-                    return Err(ConfigError::OutOfRange {
-                        field: "retention.max_age (milliseconds)".into(),
-                        min: 1,
-                        max: u64::try_from(MAX_SAFE_INTEGER).unwrap_or(u64::MAX),
+                    return Err(ConfigError::DurationOutOfRange {
+                        field: "retention.max_age".into(),
+                        min_ms: 1,
+                        max_ms: MAX_SAFE_INTEGER.unsigned_abs(),
                     });
                 }
                 Some(i64::try_from(ms).unwrap_or(MAX_SAFE_INTEGER))

@@ -72,6 +72,16 @@ use crate::log::Appended;
 /// multi-threaded runtime (the host's `Stub::call` future is). A platform
 /// whose futures are not `Send` (a Worker on `wasm32`, which runs on one
 /// thread) wraps them, e.g. with `worker::send::SendFuture`.
+///
+/// **Pushing to the object you are in.** A caller never captures a
+/// capability (`Fanout`, `Log`: not `Send`); it always goes through the
+/// platform's stub, also when the shard is the object whose code is
+/// running the client. On the embedded host that works as is: the stub
+/// call runs on the same object, interleaved at awaits like any other
+/// call, so a dead letter can be redriven into the fanout it came from
+/// through the same client that routes everything else (tested in
+/// `tests/api_points.rs`). Code that knows it wants the current object
+/// needs no client at all: call the capability directly.
 pub trait ShardCaller: Send + Sync + 'static {
     /// What a push carries to the object.
     type Input: Send + 'static;

@@ -141,12 +141,12 @@ where
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
         if timeout_ms == 0 {
             return Err(ConfigError::NotPositive {
-                field: "timeout_ms".into(),
+                field: "timeout".into(),
             });
         }
         if timeout_ms > MAX_TIMER_MS {
             return Err(ConfigError::AboveTimerLimit {
-                field: "timeout_ms".into(),
+                field: "timeout".into(),
                 value_ms: timeout_ms,
             });
         }

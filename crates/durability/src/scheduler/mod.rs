@@ -51,6 +51,10 @@ use crate::record::DurableTable;
 
 /// Default number of handlers that may run at once on one scheduler.
 pub const DEFAULT_ALARM_CONCURRENCY: usize = 10;
+/// The most handlers a scheduler runs at once. All of an object's handlers
+/// share one thread, so more permits only queue work in memory; far beyond
+/// this, tokio's semaphore would panic (it holds at most `usize::MAX >> 3`).
+pub const MAX_ALARM_CONCURRENCY: usize = 10_000;
 /// Default (and largest) minimum distance of the physical alarm from now.
 pub const DEFAULT_ALARM_MIN_DELAY: Duration = Duration::from_millis(15_000);
 /// Smallest allowed minimum distance of the physical alarm from now.
@@ -94,7 +98,7 @@ pub struct SchedulerBuilder {
 
 impl SchedulerBuilder {
     /// Maximum handlers running at once across eager starts, timer runs and
-    /// alarm runs. Default 10; at least 1.
+    /// alarm runs. Default 10; from 1 to [`MAX_ALARM_CONCURRENCY`].
     pub fn alarm_concurrency(mut self, permits: usize) -> Self {
         self.alarm_concurrency = permits;
         self
@@ -137,6 +141,13 @@ impl SchedulerBuilder {
                 field: "alarm_concurrency".into(),
             });
         }
+        if self.alarm_concurrency > MAX_ALARM_CONCURRENCY {
+            return Err(ConfigError::OutOfRange {
+                field: "alarm_concurrency".into(),
+                min: 1,
+                max: MAX_ALARM_CONCURRENCY as u64,
+            });
+        }
         let min_delay_ms = self.alarm_min_delay.as_millis();
         if self.alarm_min_delay < MIN_ALARM_MIN_DELAY
             || self.alarm_min_delay > MAX_ALARM_MIN_DELAY
@@ -145,10 +156,10 @@ impl SchedulerBuilder {
                 .subsec_nanos()
                 .is_multiple_of(1_000_000)
         {
-            return Err(ConfigError::OutOfRange {
-                field: "alarm_min_delay (whole milliseconds)".into(),
-                min: 1_000,
-                max: 15_000,
+            return Err(ConfigError::DurationOutOfRange {
+                field: "alarm_min_delay".into(),
+                min_ms: 1_000,
+                max_ms: 15_000,
             });
         }
         let handoff_ms = self.alarm_handoff.as_millis();

@@ -1,9 +1,14 @@
-//! Fixtures shared by the capability tests: a real inline host (one SQLite
-//! file per object in a temp dir, objects on the test's thread so paused
-//! tokio time drives everything) and a plain object that hands its context
-//! to the test.
+//! Fixtures shared by the capability tests, over the public test kit
+//! (`durability-test`): a real inline host (one SQLite file per object in a
+//! temp dir, objects on the test's thread so paused tokio time drives
+//! everything) and a plain object that hands its context to the test.
+//!
+//! What is here and not in the kit is specific to these tests: objects
+//! whose capabilities a test builds inside a call (`TestObject`,
+//! `Harness`), lifecycle event traces, and `open_host` for directories
+//! another process wrote (on the system clock, as that process was).
 
-#![allow(dead_code)] // each test binary uses a different part of the support module
+#![allow(dead_code, unused_imports)] // each test binary uses a different part of the support module
 
 use std::future::Future;
 use std::path::Path;
@@ -13,10 +18,10 @@ use std::cell::RefCell;
 
 use durability::Scheduler;
 use durability_host::{
-    AlarmInfo, BoxError, DurableObject, Host, Namespace, ObjectContext, ObjectId,
+    AlarmInfo, BoxError, DurableObject, Host, Namespace, NoAlarmHandler, ObjectContext, ObjectId,
 };
 use durability_platform::Context;
-use tempfile::TempDir;
+pub use durability_test::Gate;
 
 /// The object type of the tests: nothing but its context.
 pub struct TestObject {
@@ -66,7 +71,9 @@ impl DurableObject for Harness {
                 .alarm(Some(info))
                 .await
                 .map_err(|e| Box::new(e) as BoxError),
-            None => Ok(()),
+            // Its scheduler went with an eviction or a restart: the work
+            // behind the alarm must not be cleared away as delivered.
+            None => Err(Box::new(NoAlarmHandler)),
         }
     }
 }
@@ -74,7 +81,16 @@ impl DurableObject for Harness {
 /// The namespace of [`Harness`] objects.
 pub const HARNESS_NAMESPACE: &str = "harness";
 
-/// Opens an inline host over `dir` with the [`Harness`] namespace.
+fn harness(ctx: ObjectContext) -> Result<Harness, BoxError> {
+    Ok(Harness {
+        ctx,
+        scheduler: RefCell::new(None),
+        state: RefCell::new(Vec::new()),
+    })
+}
+
+/// Opens an inline host over `dir` (on the system clock, for directories a
+/// child process wrote) with the [`Harness`] namespace.
 pub fn open_harness_host(dir: &Path) -> (Host, Namespace<Harness>) {
     let host = Host::builder(dir)
         .threads(0)
@@ -82,50 +98,46 @@ pub fn open_harness_host(dir: &Path) -> (Host, Namespace<Harness>) {
         .build()
         .expect("host");
     let objects = host
-        .namespace(HARNESS_NAMESPACE, |ctx| {
-            Ok(Harness {
-                ctx,
-                scheduler: RefCell::new(None),
-                state: RefCell::new(Vec::new()),
-            })
-        })
+        .namespace(HARNESS_NAMESPACE, harness)
         .expect("namespace");
     (host, objects)
 }
 
-/// Runs `body` on one [`Harness`] object of a fresh inline host (clock
+/// Runs `body` on one [`Harness`] object of a fresh kit host (clock
 /// starting at 1,000,000 ms) inside a `LocalSet`; the whole test body runs
 /// on the object, so paused tokio time drives handlers, timers and alarms
 /// alike. Shuts the host down afterwards.
 pub async fn on_harness<F, Fut, R>(body: F) -> R
 where
-    F: FnOnce(Rc<Harness>) -> Fut + Send + 'static,
+    F: FnOnce(Rc<Harness>) -> Fut + 'static,
     Fut: Future<Output = R> + 'static,
-    R: Send + 'static,
+    R: 'static,
 {
     tokio::task::LocalSet::new()
         .run_until(async move {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let (host, objects) = open_harness_host(dir.path());
-            let output = objects
-                .stub("object")
-                .expect("valid name")
-                .call(body)
-                .await
-                .expect("the call reaches the object");
-            host.shutdown().await;
+            let kit = durability_test::TestHost::builder()
+                .clock_start_ms(1_000_000)
+                .build()
+                .expect("kit host");
+            let object = kit
+                .namespace(HARNESS_NAMESPACE, harness)
+                .and_then(|objects| objects.object("object"))
+                .expect("harness object");
+            let output = object.run(body).await.expect("the call reaches the object");
+            kit.shutdown().await;
             output
         })
         .await
 }
 
-/// An inline host over a temp dir with one namespace of [`TestObject`]s.
+/// A kit host (inline, temp dir) with one namespace of [`TestObject`]s.
 /// Build it inside a `LocalSet` (see [`with_host`]).
 pub struct TestHost {
+    pub kit: durability_test::TestHost,
+    /// The namespace as the kit holds it (follows restarts).
+    pub kit_objects: durability_test::Objects<TestObject>,
     pub host: Host,
     pub objects: Namespace<TestObject>,
-    /// Kept so the directory lives as long as the host.
-    pub dir: TempDir,
 }
 
 /// The namespace of [`TestObject`]s.
@@ -134,23 +146,35 @@ pub const TEST_NAMESPACE: &str = "test";
 impl TestHost {
     /// A host with `threads(0)`: objects run on the caller's `LocalSet`.
     pub fn new() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let (host, objects) = open_host(dir.path());
-        TestHost { host, objects, dir }
+        let kit = durability_test::TestHost::start().expect("kit host");
+        let kit_objects = kit
+            .namespace(TEST_NAMESPACE, |ctx| Ok(TestObject { ctx }))
+            .expect("namespace");
+        let objects = kit_objects.namespace().expect("namespace");
+        let host = kit.host();
+        TestHost {
+            kit,
+            kit_objects,
+            host,
+            objects,
+        }
+    }
+
+    /// Object `name` as the kit sees it (alarms, tables, eviction).
+    pub fn object(&self, name: &str) -> durability_test::TestObject<TestObject> {
+        self.kit_objects.object(name).expect("valid object name")
     }
 
     /// Runs `f` on object `name` with its context, constructing the object
-    /// if needed.
+    /// if needed; `f` and its result need not be `Send`.
     pub async fn run<F, Fut, R>(&self, name: &str, f: F) -> R
     where
-        F: FnOnce(Rc<dyn Context>) -> Fut + Send + 'static,
+        F: FnOnce(Rc<dyn Context>) -> Fut + 'static,
         Fut: Future<Output = R> + 'static,
-        R: Send + 'static,
+        R: 'static,
     {
-        self.objects
-            .stub(name)
-            .expect("valid object name")
-            .call(move |object: Rc<TestObject>| f(object.context()))
+        self.object(name)
+            .run(move |object: Rc<TestObject>| f(object.context()))
             .await
             .expect("the call reaches the object")
     }
@@ -163,7 +187,7 @@ impl TestHost {
     /// Evicts object `name`: memory, timers and background tasks go, its
     /// storage and alarm stay (what a restart looks like to the object).
     pub async fn evict(&self, name: &str) {
-        self.host.evict(&self.id(name)).await.expect("evict");
+        self.object(name).evict().await.expect("evict");
     }
 }
 
@@ -194,7 +218,7 @@ where
         .run_until(async move {
             let host = Rc::new(TestHost::new());
             let output = body(Rc::clone(&host)).await;
-            host.host.shutdown().await;
+            host.kit.host().shutdown().await;
             output
         })
         .await
@@ -204,9 +228,9 @@ where
 /// shortest way to get real storage in a test.
 pub async fn with_context<F, Fut, R>(f: F) -> R
 where
-    F: FnOnce(Rc<dyn Context>) -> Fut + Send + 'static,
+    F: FnOnce(Rc<dyn Context>) -> Fut + 'static,
     Fut: Future<Output = R> + 'static,
-    R: Send + 'static,
+    R: 'static,
 {
     with_host(|host| async move { host.run("object", f).await }).await
 }
@@ -285,25 +309,20 @@ pub fn table_snapshot(ctx: &dyn Context, table: &str) -> Vec<Vec<durability_plat
         .collect()
 }
 
-/// A gate handlers wait on until the test opens it. Cloning shares it.
-#[derive(Clone, Default)]
-pub struct Gate(Rc<(std::cell::Cell<bool>, tokio::sync::Notify)>);
-
-impl Gate {
-    /// Lets every waiter (and every later one) through.
-    pub fn open(&self) {
-        self.0.0.set(true);
-        self.0.1.notify_waiters();
+/// `[[...[1]...]]`, `depth` arrays deep.
+pub fn nested_json(depth: usize) -> serde_json::Value {
+    let mut value = serde_json::Value::from(1);
+    for _ in 0..depth {
+        value = serde_json::Value::Array(vec![value]);
     }
+    value
+}
 
-    /// Resolves once the gate is open.
-    pub async fn wait(&self) {
-        loop {
-            let notified = self.0.1.notified();
-            if self.0.0.get() {
-                return;
-            }
-            notified.await;
-        }
+/// Takes a value from [`nested_json`] apart one level at a time: the derived
+/// drop of a `serde_json::Value` recurses once per level, which a value
+/// thousands of levels deep must not do on a test thread's stack.
+pub fn dismantle_json(mut value: serde_json::Value) {
+    while let serde_json::Value::Array(mut items) = value {
+        value = items.pop().unwrap_or(serde_json::Value::Null);
     }
 }
