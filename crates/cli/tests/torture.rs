@@ -73,7 +73,7 @@ fn a_short_torture_of_every_workload_holds_every_guarantee() {
     let workloads = verdict["workloads"]
         .as_object()
         .unwrap_or_else(|| panic!("no workloads: {verdict:#}"));
-    for name in ["operations", "alarms", "log", "fanout"] {
+    for name in ["operations", "alarms", "log", "fanout", "recurring"] {
         assert!(
             workloads.contains_key(name),
             "{name} did not run: {verdict:#}"
@@ -139,6 +139,64 @@ fn the_checker_fails_a_run_whose_handlers_ran_an_attempt_above_the_maximum() {
     let output = torture(dir.path(), &["--workload", "alarms", "--recheck"]);
     assert!(!output.status.success(), "{}", show(&output));
     assert_eq!(field(&json_of(&output), "over_attempts"), 1);
+}
+
+/// The recurring checker, on the files of a real run: a tick whose runs
+/// vanish from the journal is a lost occurrence, and a tick run under a
+/// second generation is a doubled one.
+#[test]
+fn the_recurring_checker_fails_a_lost_and_a_doubled_occurrence() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = torture(dir.path(), &["--workload", "recurring", "--kills", "1"]);
+    assert!(output.status.success(), "{}", show(&output));
+    let ticks = dir.path().join("recurring").join("ticks.jsonl");
+    let original = std::fs::read_to_string(&ticks).unwrap_or_else(|e| panic!("read: {e}"));
+    let facts: Vec<Value> = original
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect();
+    // The second tick the catch-up-all schedule of one object ran.
+    let schedule =
+        |fact: &&Value| fact["name"] == "catch-up-all" && fact["object"] == facts[0]["object"];
+    let mut run: Vec<i64> = facts
+        .iter()
+        .filter(schedule)
+        .filter_map(|f| f["tick"].as_i64())
+        .collect();
+    run.sort_unstable();
+    run.dedup();
+    assert!(run.len() >= 3, "too short a run: {run:?}");
+    let victim = run[1];
+
+    let without: Vec<&str> = original
+        .lines()
+        .filter(|line| {
+            serde_json::from_str::<Value>(line).map_or(true, |fact| {
+                !(schedule(&&fact) && fact["tick"].as_i64() == Some(victim))
+            })
+        })
+        .collect();
+    std::fs::write(&ticks, without.join("\n") + "\n").unwrap_or_else(|e| panic!("write: {e}"));
+    let output = torture(dir.path(), &["--workload", "recurring", "--recheck"]);
+    assert!(!output.status.success(), "{}", show(&output));
+    assert_eq!(field(&json_of(&output), "lost"), 1, "{}", show(&output));
+
+    let mut doubled = facts
+        .iter()
+        .find(|f| schedule(f))
+        .cloned()
+        .unwrap_or_default();
+    doubled["generation"] = Value::from("another-generation");
+    std::fs::write(&ticks, format!("{original}{doubled}\n"))
+        .unwrap_or_else(|e| panic!("write: {e}"));
+    let output = torture(dir.path(), &["--workload", "recurring", "--recheck"]);
+    assert!(!output.status.success(), "{}", show(&output));
+    let verdict = json_of(&output);
+    assert_eq!(
+        verdict["workloads"]["recurring"]["other_violations"]["doubled_occurrences"],
+        Value::from(1),
+        "{verdict:#}"
+    );
 }
 
 #[test]

@@ -465,6 +465,14 @@ pub enum DurabilityError {
     #[error(transparent)]
     Limit(#[from] LimitError),
     /// A completed operation row without a result.
+    /// A recurring schedule was rejected (named alarms).
+    #[error(transparent)]
+    Recurrence(#[from] crate::alarms::RecurrenceError),
+
+    /// `pause`/`resume` named an alarm that has no recurring schedule.
+    #[error("named alarm \"{name}\" has no recurring schedule")]
+    NotRecurring { name: String },
+
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },
     /// A read (`Operations::result`, `Operations::wait`) named another

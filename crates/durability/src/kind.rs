@@ -117,6 +117,8 @@ impl DurabilityError {
             DurabilityError::Interrupted => ErrorKind::Interrupted,
             DurabilityError::UnknownHandler { .. } => ErrorKind::UnknownHandler,
             DurabilityError::OperationMismatch { .. } => ErrorKind::OperationMismatch,
+            DurabilityError::Recurrence(error) => error.kind(),
+            DurabilityError::NotRecurring { .. } => ErrorKind::NotFound,
             DurabilityError::Limit(error) => error.kind(),
         }
     }
@@ -131,6 +133,14 @@ impl LimitError {
             LimitError::TooLong { .. } => ErrorKind::TooLarge,
             LimitError::Empty { .. } | LimitError::TooMany { .. } => ErrorKind::InvalidInput,
         }
+    }
+}
+
+impl crate::alarms::RecurrenceError {
+    /// The kind of this error: always [`ErrorKind::InvalidInput`] (a bad
+    /// pattern, zone, option, or a schedule without a future tick).
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidInput
     }
 }
 

@@ -27,7 +27,10 @@ pub mod state;
 pub mod telemetry;
 pub mod trace;
 
-pub use alarms::{AlarmCall, Alarms, AlarmsBuilder};
+pub use alarms::{
+    AlarmCall, AlarmEntry, AlarmState, Alarms, AlarmsBuilder, MissedTicks, Recurrence,
+    RecurrenceError,
+};
 pub use error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 pub use fanout::{Fanout, FanoutBuilder};
 pub use kind::ErrorKind;

@@ -616,6 +616,26 @@ ALTER TABLE durability_alarms_0003 RENAME TO durability_alarms;
 CREATE INDEX durability_alarms_pending_idx ON durability_alarms (status, next_attempt_at);"
         ),
     },
+    // Recurring schedules (issue 14), beside the reference's table rather
+    // than inside it: `durability_alarms` keeps its shape (and its status
+    // CHECK), and holds the one pending occurrence of each schedule as an
+    // ordinary row. A database stays readable by the reference library,
+    // which sees a one-shot alarm per schedule.
+    Migration {
+        name: "durability_0014_create_alarm_schedules",
+        up: "CREATE TABLE durability_alarm_schedules (
+  name TEXT PRIMARY KEY,
+  recurrence TEXT NOT NULL,
+  payload TEXT,
+  paused INTEGER NOT NULL DEFAULT 0,
+  missed INTEGER NOT NULL DEFAULT 0,
+  placed INTEGER NOT NULL DEFAULT 0,
+  runs INTEGER NOT NULL DEFAULT 0,
+  last_tick INTEGER,
+  created_at INTEGER NOT NULL
+);",
+        down: "DROP TABLE durability_alarm_schedules;",
+    },
 ];
 
 /// The migrations of fanout (`durability_fanout_*`, queues.md §3.4).

@@ -577,7 +577,13 @@ impl Operations {
         let inner = &self.inner;
         let count = inner
             .engine
-            .purge(CALLS, before, &inner.active, "Durable operation was purged")
+            .purge(
+                CALLS,
+                before,
+                &inner.active,
+                "Durable operation was purged",
+                &[],
+            )
             .await?;
         inner.emitter.emit(&LifecycleEvent::Purged {
             entity_kind: EntityKind::Operation,

@@ -19,10 +19,12 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use durability::alarms::IDEMPOTENCY_KEY_PREFIX;
+use durability::lifecycle::{Entity, LifecycleEvent, Outcome, sync_hook};
 use durability::migrations::MigrationTarget;
 use durability::platform::{Context, Sql, Value, params};
 use durability::{
-    AlarmCall, Alarms, DurableCall, HandlerError, OperationResult, Operations, Scheduler,
+    AlarmCall, Alarms, DurableCall, HandlerError, OperationResult, Operations, Recurrence,
+    Scheduler,
 };
 use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Namespace, ObjectContext};
 use support::TestObject;
@@ -523,6 +525,9 @@ async fn crash_child() {
                 Some("op") => child_op(&data, &journal).await,
                 Some("alarm") => child_alarm(&data, &journal).await,
                 Some("migrate") => child_migrate(&data).await,
+                Some(recurring) if recurring.starts_with(RECURRING_SCENARIO) => {
+                    child_recurring(&data, &journal, recurring).await;
+                }
                 other => panic!("unknown crash child scenario {other:?}"),
             }
         })
@@ -615,4 +620,249 @@ async fn child_migrate(data: &Path) {
         })
         .await
         .unwrap();
+}
+
+/// The recurring scenarios: `recurring:<kill point>:<anchor ms>`.
+const RECURRING_SCENARIO: &str = "recurring";
+/// Printed by the child's lifecycle hook once a run's completion (and with
+/// it the next occurrence) has committed; the hook then blocks the thread.
+const COMMITTED_MARK: &str = "crash-child committed ";
+
+/// An object with one recurring alarm "heartbeat" (every hour from an
+/// anchor, registered by each process on its first call). Its handler journals each run. `kill_point` makes
+/// the child hang where the parent kills it: `side-effect` (after the
+/// handler's journal line, before the completion) or `commit` (right after
+/// the completion committed, in the lifecycle hook).
+struct Ticking {
+    ctx: ObjectContext,
+    scheduler: Scheduler,
+    alarms: Alarms,
+}
+
+impl DurableObject for Ticking {
+    async fn alarm(&self, info: AlarmInfo) -> Result<(), BoxError> {
+        self.scheduler
+            .alarm(Some(info))
+            .await
+            .map_err(|e| Box::new(e) as BoxError)
+    }
+}
+
+fn hourly_from(anchor: i64) -> Recurrence {
+    Recurrence::every(Duration::from_secs(3_600))
+        .unwrap()
+        .anchored_at(anchor)
+        .unwrap()
+}
+
+fn ticking_namespace(
+    host: &Host,
+    journal: &Path,
+    kill_point: Option<&'static str>,
+) -> Namespace<Ticking> {
+    let journal = journal.to_owned();
+    host.namespace("ticking", move |ctx| {
+        let scheduler = Scheduler::builder(ctx.clone().into_dyn())
+            .alarm_min_delay(Duration::from_secs(1))
+            .build()?;
+        let journal = journal.clone();
+        let hang_in_handler = kill_point == Some("side-effect");
+        let mut builder =
+            Alarms::builder(&scheduler).handler("heartbeat", move |call: AlarmCall| {
+                let journal = journal.clone();
+                async move {
+                    journal_append(
+                        &journal,
+                        &format!(
+                            "tick {} {} {}",
+                            call.scheduled_time, call.idempotency_key, call.attempt
+                        ),
+                    )?;
+                    if hang_in_handler {
+                        println!("{SIDE_EFFECT_MARK}tick {}", call.scheduled_time);
+                        tokio::time::sleep(CHILD_HANG).await;
+                    }
+                    Ok::<_, HandlerError>(())
+                }
+            });
+        if kill_point == Some("commit") {
+            builder = builder.on_lifecycle_event(sync_hook(|event: &LifecycleEvent| {
+                if let LifecycleEvent::AttemptSettled {
+                    entity: Entity::NamedAlarm { generation, .. },
+                    outcome: Outcome::Completed { .. },
+                    ..
+                } = event
+                {
+                    println!("{COMMITTED_MARK}{generation}");
+                    // Nothing of this process runs again: the parent kills it here.
+                    std::thread::sleep(CHILD_HANG);
+                }
+            }));
+        }
+        let alarms = builder.build()?;
+        Ok(Ticking {
+            ctx,
+            scheduler,
+            alarms,
+        })
+    })
+    .unwrap()
+}
+
+/// Registers the schedule (a no-op when the object already has it).
+async fn register_hourly(objects: &Namespace<Ticking>, anchor: i64) -> Option<i64> {
+    objects
+        .stub(OBJECT)
+        .unwrap()
+        .call(move |o: Rc<Ticking>| async move {
+            o.alarms
+                .schedule_recurring("heartbeat", &hourly_from(anchor), &())
+                .await
+                .unwrap()
+        })
+        .await
+        .unwrap()
+}
+
+/// (generation, scheduled_at, attempt) of every stored occurrence, and
+/// (runs, last_tick) of the schedule.
+async fn occurrences(objects: &Namespace<Ticking>) -> (Vec<Vec<Value>>, Option<Vec<Value>>) {
+    objects
+        .stub(OBJECT)
+        .unwrap()
+        .call(|o: Rc<Ticking>| async move {
+            let sql = o.ctx.storage();
+            let rows = sql
+                .query(
+                    "SELECT generation_id, scheduled_at, attempt FROM durability_alarms",
+                    &[],
+                )
+                .unwrap()
+                .iter()
+                .map(|row| row.values().to_vec())
+                .collect();
+            let schedule = query_row(
+                sql,
+                "SELECT runs, last_tick FROM durability_alarm_schedules",
+            );
+            (rows, schedule)
+        })
+        .await
+        .unwrap()
+}
+
+/// The anchor of a crash test's hourly schedule: a little ahead of the real
+/// clock, so the child's first run comes soon.
+fn soon_anchor() -> i64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    i64::try_from(now.as_millis()).unwrap() + 1_500
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kill_right_after_a_recurring_run_commits_leaves_exactly_one_next_occurrence() {
+    let dirs = dirs();
+    let anchor = soon_anchor();
+    let child = Child::spawn(
+        &format!("{RECURRING_SCENARIO}:commit:{anchor}"),
+        &dirs.data,
+        &dirs.journal,
+    );
+    let settled_generation = child.wait_for(COMMITTED_MARK);
+    child.kill();
+    let lines = journal(&dirs.journal);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with(&format!("tick {anchor} {IDEMPOTENCY_KEY_PREFIX}")));
+    assert!(lines[0].ends_with(" 1"));
+
+    after_restart(|| async {
+        let host = Host::builder(&dirs.data).threads(0).build().unwrap();
+        let objects = ticking_namespace(&host, &dirs.journal, None);
+        assert_eq!(
+            register_hourly(&objects, anchor).await,
+            Some(anchor + HOUR_MS)
+        );
+        let (rows, schedule) = occurrences(&objects).await;
+        assert_eq!(rows.len(), 1, "exactly one next occurrence: {rows:?}");
+        assert_ne!(rows[0][0], Value::from(settled_generation.as_str()));
+        assert_eq!(
+            rows[0][1..],
+            [Value::from(anchor + HOUR_MS), Value::from(0_i64)]
+        );
+        assert_eq!(
+            schedule,
+            Some(vec![Value::from(1_i64), Value::from(anchor)])
+        );
+        // The interrupted delivery and the next tick: the next tick runs once.
+        tokio::time::sleep(Duration::from_millis(
+            u64::try_from(HOUR_MS).unwrap() + 5_000,
+        ))
+        .await;
+        let (rows, _) = occurrences(&objects).await;
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0][1], Value::from(anchor + 2 * HOUR_MS));
+        host.shutdown().await;
+    })
+    .await;
+    let lines = journal(&dirs.journal);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[1].starts_with(&format!("tick {} ", anchor + HOUR_MS)));
+    assert_ne!(lines[0].split(' ').nth(2), lines[1].split(' ').nth(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_kill_between_a_recurring_side_effect_and_its_commit_reruns_that_tick_only() {
+    let dirs = dirs();
+    let anchor = soon_anchor();
+    let child = Child::spawn(
+        &format!("{RECURRING_SCENARIO}:side-effect:{anchor}"),
+        &dirs.data,
+        &dirs.journal,
+    );
+    assert_eq!(child.wait_for(SIDE_EFFECT_MARK), format!("tick {anchor}"));
+    child.kill();
+
+    after_restart(|| async {
+        let host = Host::builder(&dirs.data).threads(0).build().unwrap();
+        let objects = ticking_namespace(&host, &dirs.journal, None);
+        register_hourly(&objects, anchor).await;
+        // The interrupted alarm delivery re-runs the same occurrence.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let (rows, schedule) = occurrences(&objects).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(
+            rows[0][1..],
+            [Value::from(anchor + HOUR_MS), Value::from(0_i64)]
+        );
+        assert_eq!(
+            schedule,
+            Some(vec![Value::from(1_i64), Value::from(anchor)])
+        );
+        host.shutdown().await;
+    })
+    .await;
+    let lines = journal(&dirs.journal);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let first: Vec<&str> = lines[0].split(' ').collect();
+    let second: Vec<&str> = lines[1].split(' ').collect();
+    // Same tick, same key, the next attempt: at-least-once of one tick.
+    assert_eq!(first[..3], second[..3]);
+    assert_eq!((first[3], second[3]), ("1", "2"));
+}
+
+/// Runs the hourly schedule from the anchor in the scenario and waits to
+/// be killed at the kill point.
+async fn child_recurring(data: &Path, journal: &Path, scenario: &str) {
+    let mut parts = scenario.split(':').skip(1);
+    let kill_point = match parts.next() {
+        Some("commit") => "commit",
+        Some("side-effect") => "side-effect",
+        other => panic!("unknown kill point {other:?}"),
+    };
+    let anchor: i64 = parts.next().unwrap().parse().unwrap();
+    let host = Host::builder(data).threads(0).build().unwrap();
+    let objects = ticking_namespace(&host, journal, Some(kill_point));
+    register_hourly(&objects, anchor).await;
+    tokio::time::sleep(CHILD_HANG).await;
 }

@@ -94,6 +94,7 @@ const CALLS_0004: &str = "durability_0004_calls_generation_and_created_at";
 const ALARMS_0003: &str = "durability_0003_create_alarms";
 const ALARMS_0004: &str = "durability_0004_alarms_generation_and_created_at";
 const LEGACY_0004: &str = "durability_0004_generation_and_created_at";
+const SCHEDULES_0014: &str = "durability_0014_create_alarm_schedules";
 
 /// Operations as a newer version would ship them: the known list plus
 /// `extra` migrations that each create one table.
@@ -172,6 +173,7 @@ async fn constructing_one_capability_creates_only_its_tables_and_the_history_tab
             names(&[
                 "index durability_alarms_created_idx",
                 "index durability_alarms_pending_idx",
+                "table durability_alarm_schedules",
                 "table durability_alarms",
                 "table durability_migrations",
             ])
@@ -588,7 +590,11 @@ fn write_2x_database(sql: &dyn Sql) {
          applied_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)",
     )
     .unwrap();
-    for migration in OPERATIONS_MIGRATIONS.iter().chain(NAMED_ALARMS_MIGRATIONS) {
+    // 2.x had the alarms table (0003, 0004) but no recurring schedules (0014).
+    for migration in OPERATIONS_MIGRATIONS
+        .iter()
+        .chain(&NAMED_ALARMS_MIGRATIONS[..2])
+    {
         sql.execute_script(migration.up).unwrap();
     }
     for name in [CALLS_0001, CALLS_0002, ALARMS_0003, LEGACY_0004] {
@@ -637,11 +643,12 @@ async fn a_2x_history_is_translated_claimed_and_keeps_its_combined_row() {
             MigrationTarget::Latest,
         )
         .unwrap();
-        assert_eq!(done, MigrationReport::default());
+        // Only what 2.x did not have runs: the recurring schedules table.
+        assert_eq!(done, report(&[SCHEDULES_0014], &[]));
         assert!(
             is_schema_current(storage, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS).unwrap()
         );
-        assert_eq!(schema_text(storage).len(), schema_before.len());
+        assert_eq!(schema_text(storage).len(), schema_before.len() + 1);
 
         for (capability, list) in [
             (OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS),

@@ -22,6 +22,7 @@ mod fanout;
 pub(crate) mod journal;
 mod log;
 mod operations;
+mod recurring;
 mod supervisor;
 mod verdict;
 mod workload;
@@ -195,6 +196,7 @@ const WORKLOADS: &[Entry] = &[
     entry::<alarms::AlarmsWorkload>(),
     entry::<log::LogWorkload>(),
     entry::<fanout::FanoutWorkload>(),
+    entry::<recurring::RecurringWorkload>(),
 ];
 
 fn workload_names() -> PossibleValuesParser {

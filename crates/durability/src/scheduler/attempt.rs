@@ -88,6 +88,13 @@ pub(crate) trait AttemptKind {
     /// A kind-specific terminal rule beyond non-retryable errors and
     /// exhausted attempts.
     fn is_terminal(&self, error: &HandlerError) -> bool;
+    /// Runs inside the transaction that just made this generation terminal
+    /// (failed or exhausted), after the failure is written. Recurring named
+    /// alarms move on to their next occurrence here; the default keeps the
+    /// failed record.
+    fn after_terminal(&self, _sql: &dyn Sql, _now: EpochMs) -> Result<(), StorageError> {
+        Ok(())
+    }
 }
 
 /// One record generation to execute.
@@ -366,6 +373,7 @@ impl Engine {
                 // Memos stay on a retry so the next attempt can reuse them.
                 if owned && decision.terminal {
                     delete_memos(sql, spec.table, &spec.key)?;
+                    spec.kind.after_terminal(sql, decision.timestamp)?;
                 }
                 Ok::<_, StorageError>(owned)
             })
@@ -399,6 +407,7 @@ impl Engine {
     /// one): fail the generation without invoking the handler.
     async fn fail_exhausted(self: &Rc<Self>, spec: &ExecutionSpec) -> Result<(), DurabilityError> {
         let exhausted = spec.kind.exhausted_error().serialize();
+        let now = self.now();
         let attempt = self
             .transaction(|sql| {
                 let attempt = exhaust_attempts(
@@ -411,6 +420,7 @@ impl Engine {
                 )?;
                 if attempt.is_some() {
                     delete_memos(sql, spec.table, &spec.key)?;
+                    spec.kind.after_terminal(sql, now)?;
                 }
                 Ok::<_, StorageError>(attempt)
             })

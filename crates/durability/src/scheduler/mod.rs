@@ -829,12 +829,15 @@ impl Engine {
 
     /// Aborts the matching running handlers, then deletes the table's
     /// records created before `before` and reconciles, in one transaction.
+    /// `also` are further `DELETE ... WHERE created_at < ?` statements of
+    /// the capability's own side tables, run in the same transaction.
     pub(crate) async fn purge(
         self: &Rc<Self>,
         table: DurableTable,
         before: EpochMs,
         active: &attempt::ActiveMap,
         abort_reason: &str,
+        also: &[&'static str],
     ) -> Result<u64, DurabilityError> {
         if !(0..=durability_platform::MAX_SAFE_INTEGER).contains(&before) {
             return Err(DurabilityError::InvalidTimestamp {
@@ -861,6 +864,9 @@ impl Engine {
                     None => 0,
                 };
                 sql.execute(&delete_sql, &params![before])?;
+                for statement in also {
+                    sql.execute(statement, &params![before])?;
+                }
                 crate::memo::delete_stale_memos(sql, table)?;
                 Ok::<_, StorageError>(count)
             })
