@@ -41,6 +41,7 @@ enum Command {
     /// constructing any object (`/` is the page, `/api/objects` the JSON).
     Serve(serve::ServeArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
+    #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
     /// Kill a workload's process with SIGKILL again and again, then check
     /// that every guarantee held; exits non-zero on any violation.

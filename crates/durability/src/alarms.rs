@@ -995,6 +995,8 @@ impl Inner {
                 attempt_timeout_ms: policy.attempt_timeout_ms,
                 retry_timeouts: policy.retry_timeouts,
             }),
+            claimed: None,
+            successor: None,
         };
         self.engine.start_execution(spec, None).await
     }

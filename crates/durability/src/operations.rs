@@ -18,8 +18,19 @@
 //! - Lookups of one id need no chaining: the row read, the active-map check
 //!   and the registration of a new execution run with no await between them,
 //!   so two callers on the object's one thread cannot both miss the map.
+//! - Fewer commits per operation: an eager start claims its first attempt
+//!   in the registration's own transaction, and in a due pass the
+//!   completion of one attempt claims the next id of its lane in the same
+//!   transaction (a no-op operation then costs two commits, not three).
+//!   Failures and timeouts do not hand off: their settlement may await the
+//!   storage, and a claim must be handed over with no await between its
+//!   commit and its claimer. A claimed id is reserved in memory until its
+//!   claimer starts it, so no other pass spends a second attempt on it;
+//!   a claim the process never ran (a crash, an eviction) counts as an
+//!   attempt, like a crash during the handler.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
@@ -36,9 +47,11 @@ use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
 };
-use crate::record::{AttemptRef, DurableTable};
+use crate::record::{AttemptRef, DurableTable, claim_attempt};
 use crate::retry::{Delay, MethodPolicy, Policies, PolicyOptions, whole_millis};
-use crate::scheduler::attempt::{ActiveMap, AttemptKind, ExecutionSpec, Output};
+use crate::scheduler::attempt::{
+    ActiveMap, AttemptKind, Claimed, ExecutionSpec, Output, Successor,
+};
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
 use crate::trace::TraceCapture;
 
@@ -268,6 +281,7 @@ impl OperationsBuilder {
             emitter,
             active: ActiveMap::default(),
             trace: self.trace,
+            reserved: RefCell::new(HashSet::new()),
         });
         engine.register(&inner)?;
         Ok(Operations { inner })
@@ -326,6 +340,11 @@ struct Inner {
     emitter: Emitter,
     active: ActiveMap,
     trace: Option<TraceCapture>,
+    /// Ids whose attempt was claimed ahead of their execution (an eager
+    /// start, a hand-off) and whose claimer has not started it yet. Any
+    /// other execution leaves them alone: claiming again would spend an
+    /// attempt for nothing, and enough of those fail the operation.
+    reserved: RefCell<HashSet<String>>,
 }
 
 /// The columns every read of one call row selects, in this order.
@@ -426,12 +445,20 @@ impl Operations {
         let now = engine.now();
         let generation = engine.new_generation();
         let trace_context = crate::trace::capture(inner.trace.as_ref());
+        // Eager start only when a permit is free right now; otherwise the
+        // timer armed by the commit queues for one. With a permit, the
+        // first attempt is claimed in the registration's own transaction:
+        // one commit instead of two, and the attempt still counts before
+        // the handler runs.
+        let permit = engine.try_acquire_permit();
+        let eager = permit.is_some();
+        let max_attempts = inner.policies.resolve(operation).max_attempts;
         let insert = "INSERT INTO durability_calls \
              (id, operation, payload, status, result, attempt, next_attempt_at, last_error, \
               last_error_name, completed_at, generation_id, created_at) \
              VALUES (?, ?, ?, 'pending', NULL, 0, ?, NULL, NULL, NULL, ?, ?) \
              ON CONFLICT(id) DO NOTHING";
-        let inserted = engine
+        let registered = engine
             .transaction(|sql| {
                 let inserted = sql.execute(
                     insert,
@@ -454,32 +481,47 @@ impl Operations {
                         requested: operation.to_owned(),
                     });
                 }
-                if let (true, Some(context)) = (inserted, &trace_context) {
+                if !inserted {
+                    return Ok(None);
+                }
+                if let Some(context) = &trace_context {
                     crate::trace::store(sql, CALLS, id, &generation, now, context)?;
                 }
-                Ok(inserted)
+                let claimed = if eager {
+                    claim_attempt(sql, CALLS, id, generation.as_str(), max_attempts, None)?
+                } else {
+                    None
+                };
+                Ok(Some(claimed))
             })
             .await?;
-        if !inserted {
+        let Some(claimed) = registered else {
             return Ok(Registration::Existing);
-        }
+        };
         inner.emitter.emit(&LifecycleEvent::Registered {
             entity: Entity::Operation {
                 operation: operation.to_owned(),
                 id: id.to_owned(),
-                generation,
+                generation: generation.clone(),
             },
             timestamp: now,
         });
-        // Eager start only when a permit is free right now; otherwise the
-        // timer armed by the commit queues for one.
-        if let Some(permit) = engine.try_acquire_permit() {
+        if let (Some(permit), Some(attempt)) = (permit, claimed) {
+            inner.reserved.borrow_mut().insert(id.to_owned());
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
             let id = id.to_owned();
+            let claimed = Claimed {
+                key: id.clone(),
+                generation,
+                attempt,
+            };
             // Run in the caller's span, so the attempt links to the producer.
             let task = async move {
-                if let Err(error) = run.execute(&id, Some(permit), None).await {
+                if let Err(error) = run
+                    .execute(&id, Some(permit), Some(claimed), None, None)
+                    .await
+                {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -693,20 +735,36 @@ fn result_of<R: DeserializeOwned>(
 
 impl Inner {
     /// Runs the pending generation of `id` unless this instance already
-    /// runs it. Ownership of `eager_permit` passes to the execution; when
-    /// none starts, the permit is released on return.
+    /// runs it. `eager_permit` (an eager start's) and `claimed` (an attempt
+    /// already claimed for it) pass to the execution; when none starts, the
+    /// permit is released on return (a claimed attempt stays counted, as
+    /// after a crash before its handler ran). `successor` takes the next
+    /// record of a due pass when this one completes.
     async fn execute(
         self: &Rc<Self>,
         id: &str,
         eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        claimed: Option<Claimed>,
+        successor: Option<Rc<dyn Successor>>,
         platform: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
+        if claimed.is_some() {
+            // The claimer starts it now (no await until it is active).
+            self.reserved.borrow_mut().remove(id);
+        } else if self.reserved.borrow().contains(id) {
+            // Claimed for another execution, which is about to start it.
+            return Ok(());
+        }
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
         };
         if row.status != "pending" {
             return Ok(());
         }
+        // A claim made for a generation that was replaced since is void.
+        let claimed = claimed
+            .filter(|c| c.generation == row.generation && c.attempt == row.attempt)
+            .map(|c| c.attempt);
         let running = self
             .active
             .borrow()
@@ -748,8 +806,107 @@ impl Inner {
                 attempt_timeout_ms: policy.attempt_timeout_ms,
                 platform,
             }),
+            claimed,
+            successor,
         };
         self.engine.start_execution(spec, eager_permit).await
+    }
+}
+
+impl Inner {
+    /// Runs the due `ids` on at most `alarm_concurrency` lanes, each taking
+    /// the next id in order when its previous one finished. A lane whose
+    /// attempt completes claims the next id in the completion's own
+    /// transaction (one commit instead of two) and runs it next.
+    async fn run_lanes(
+        self: &Rc<Self>,
+        ids: Vec<String>,
+        now: EpochMs,
+        info: Option<AlarmInfo>,
+    ) -> Vec<(String, Result<(), DurabilityError>)> {
+        let queue = Rc::new(RefCell::new(VecDeque::from(ids)));
+        let lanes = (0..self.engine.alarm_concurrency.max(1)).map(|_| {
+            let queue = Rc::clone(&queue);
+            async move {
+                let mut results = Vec::new();
+                let mut next = queue.borrow_mut().pop_front().map(|id| (id, None));
+                while let Some((id, claimed)) = next.take() {
+                    let handoff = Rc::new(Handoff {
+                        inner: Rc::downgrade(self),
+                        queue: Rc::clone(&queue),
+                        due_by: now,
+                        taken: RefCell::new(None),
+                    });
+                    let successor: Rc<dyn Successor> = Rc::clone(&handoff) as Rc<dyn Successor>;
+                    let outcome = self
+                        .execute(&id, None, claimed, Some(successor), info)
+                        .await;
+                    results.push((id, outcome));
+                    next = match handoff.taken.borrow_mut().take() {
+                        Some(claimed) => Some((claimed.key.clone(), Some(claimed))),
+                        None => queue.borrow_mut().pop_front().map(|id| (id, None)),
+                    };
+                }
+                results
+            }
+        });
+        futures::future::join_all(lanes)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+}
+
+/// The hand-off of one lane of a due pass: the next id of the pass,
+/// claimed by the transaction that completes the lane's current attempt.
+struct Handoff {
+    inner: Weak<Inner>,
+    queue: Rc<RefCell<VecDeque<String>>>,
+    /// The pass's time: only records due by then are taken.
+    due_by: EpochMs,
+    taken: RefCell<Option<Claimed>>,
+}
+
+impl Successor for Handoff {
+    fn claim(&self, sql: &dyn Sql, now: EpochMs) -> Result<Option<Claimed>, StorageError> {
+        let Some(inner) = self.inner.upgrade() else {
+            return Ok(None);
+        };
+        let Some(id) = self.queue.borrow().front().cloned() else {
+            return Ok(None);
+        };
+        // Running or claimed in this instance already: the lane that takes
+        // it waits for it as usual.
+        if inner.active.borrow().contains_key(&id) || inner.reserved.borrow().contains(&id) {
+            return Ok(None);
+        }
+        let row = match CallRow::read(sql, &id) {
+            Ok(Some(row)) => row,
+            // Gone, or not readable: the lane's own execute says why.
+            Ok(None) | Err(_) => return Ok(None),
+        };
+        if row.status != "pending" || row.next_attempt_at > self.due_by.max(now) {
+            return Ok(None);
+        }
+        let max_attempts = inner.policies.resolve(&row.operation).max_attempts;
+        let attempt = claim_attempt(sql, CALLS, &id, &row.generation, max_attempts, None)?;
+        Ok(attempt.map(|attempt| Claimed {
+            key: id,
+            generation: row.generation,
+            attempt,
+        }))
+    }
+
+    fn committed(&self, claimed: Claimed) {
+        let mut queue = self.queue.borrow_mut();
+        if queue.front() == Some(&claimed.key) {
+            queue.pop_front();
+            if let Some(inner) = self.inner.upgrade() {
+                inner.reserved.borrow_mut().insert(claimed.key.clone());
+            }
+            *self.taken.borrow_mut() = Some(claimed);
+        }
     }
 }
 
@@ -774,14 +931,7 @@ impl Participant for Inner {
             for row in &rows {
                 ids.push(row.get::<String>(0)?);
             }
-            let this = &self;
-            let results = self
-                .engine
-                .run_concurrent(ids, |id| async move {
-                    let outcome = this.execute(&id, None, info).await;
-                    (id, outcome)
-                })
-                .await;
+            let results = self.run_lanes(ids, now, info).await;
             // One failing operation must not hold back the others: every
             // item ran. Its record stays pending and due, though, so the
             // failure must fail the run: a successful run would reconcile

@@ -359,6 +359,162 @@ async fn eager_start_only_when_a_permit_is_free() {
     .await;
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_eager_start_claims_its_first_attempt_in_the_registrations_commit() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = Scheduler::builder(h.context())
+            .alarm_concurrency(1)
+            .build()
+            .unwrap();
+        h.install(&scheduler);
+        let gate = Gate::default();
+        let held = gate.clone();
+        let attempts = Rc::new(RefCell::new(Vec::<u32>::new()));
+        let seen = Rc::clone(&attempts);
+        let ops = Operations::builder(&scheduler)
+            .handler("job", move |call: DurableCall<()>| {
+                seen.borrow_mut().push(call.attempt);
+                let held = held.clone();
+                async move {
+                    held.wait().await;
+                    Ok::<_, HandlerError>(())
+                }
+            })
+            .build()
+            .unwrap();
+        let attempt_of = |id: &str| {
+            query_i64(
+                &*ctx,
+                "SELECT attempt FROM durability_calls WHERE id = ?",
+                &params![id],
+            )
+        };
+        // A free permit: the attempt is counted by the registration itself,
+        // before the handler was even scheduled (no await in between).
+        ops.start("job", "eager", &()).await.unwrap();
+        assert_eq!(attempt_of("eager"), 1);
+        assert!(attempts.borrow().is_empty());
+        settle().await;
+        // The handler runs that attempt; it claims no second one.
+        assert_eq!(*attempts.borrow(), [1]);
+        assert_eq!(attempt_of("eager"), 1);
+        // No permit free: registered unclaimed, claimed when a permit frees.
+        ops.start("job", "queued", &()).await.unwrap();
+        assert_eq!(attempt_of("queued"), 0);
+        gate.open();
+        let done = ops.wait::<()>("job", "queued", LONG_WAIT).await.unwrap();
+        assert_eq!(done, OperationResult::Completed { result: () });
+        assert_eq!(*attempts.borrow(), [1, 1]);
+        assert_eq!(attempt_of("queued"), 1);
+        // A repeated registration claims nothing.
+        ops.start("job", "eager", &()).await.unwrap();
+        assert_eq!(attempt_of("eager"), 1);
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_in_a_due_pass_claims_the_next_due_record_in_its_own_commit() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = Scheduler::builder(h.context())
+            .alarm_concurrency(1)
+            .build()
+            .unwrap();
+        h.install(&scheduler);
+        let gate = Gate::default();
+        let held = gate.clone();
+        // What the storage held right after each completion committed.
+        let seen = Rc::new(RefCell::new(Vec::<(String, i64)>::new()));
+        let (log, reader) = (Rc::clone(&seen), Rc::clone(&ctx));
+        let hook: durability::lifecycle::LifecycleHook = Rc::new(move |event: &LifecycleEvent| {
+            if let LifecycleEvent::AttemptSettled {
+                entity: durability::lifecycle::Entity::Operation { id, .. },
+                outcome: Outcome::Completed { .. },
+                ..
+            } = event
+            {
+                let claimed_after = query_i64(
+                    &*reader,
+                    "SELECT COUNT(*) FROM durability_calls WHERE status = 'pending' AND attempt = 1",
+                    &[],
+                );
+                log.borrow_mut().push((id.clone(), claimed_after));
+            }
+            None
+        });
+        let ops = Operations::builder(&scheduler)
+            .handler("job", move |call: DurableCall<()>| {
+                let held = held.clone();
+                async move {
+                    if call.id == "first" {
+                        held.wait().await;
+                    }
+                    Ok::<_, HandlerError>(())
+                }
+            })
+            .on_lifecycle_event(hook)
+            .build()
+            .unwrap();
+        // "first" takes the only permit; the others wait for a due pass.
+        for id in ["first", "b", "c", "d"] {
+            ops.start("job", id, &()).await.unwrap();
+        }
+        gate.open();
+        for id in ["b", "c", "d"] {
+            let done = ops.wait::<()>("job", id, LONG_WAIT).await.unwrap();
+            assert_eq!(done, OperationResult::Completed { result: () });
+        }
+        let seen = seen.borrow().clone();
+        // b's completion claimed c, c's claimed d, in the same commit: the
+        // next record's attempt was counted when the hook ran.
+        let after = |id: &str| seen.iter().find(|(done, _)| done == id).map(|(_, n)| *n);
+        assert_eq!(after("b"), Some(1));
+        assert_eq!(after("c"), Some(1));
+        assert_eq!(after("d"), Some(0));
+        // No attempt was spent twice.
+        assert_eq!(
+            query_i64(&*ctx, "SELECT MAX(attempt) FROM durability_calls", &[]),
+            1
+        );
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_due_pass_never_claims_again_an_attempt_claimed_ahead_of_its_execution() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("job", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        // The due pass is queued first; the registration then claims the
+        // first attempt for its eager start, which runs after the pass has
+        // read the row: the pass must leave it to the eager start.
+        let (pass, registered) =
+            futures::join!(scheduler.alarm(None), ops.start("job", "raced", &()));
+        pass.unwrap();
+        registered.unwrap();
+        let done = ops.wait::<()>("job", "raced", LONG_WAIT).await.unwrap();
+        assert_eq!(done, OperationResult::Completed { result: () });
+        assert_eq!(
+            query_i64(
+                &*ctx,
+                "SELECT attempt FROM durability_calls WHERE id = ?",
+                &params!["raced"]
+            ),
+            1,
+            "an attempt was spent twice"
+        );
+    })
+    .await;
+}
+
 // §7.9 (6)
 #[tokio::test(start_paused = true)]
 async fn non_serializable_result_fails_after_exactly_one_attempt() {

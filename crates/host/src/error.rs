@@ -106,6 +106,17 @@ pub enum CallError {
         /// The object's id.
         id: String,
     },
+    /// The call ran, but a sync of the host's group commit failed, so the
+    /// commits before its reply may not be on disk: the reply is withheld
+    /// (`Synchronous::Batched`). Every later reply fails the same way;
+    /// restart the host to recover what the disk holds.
+    #[error("the reply of object {id} is withheld: {message}")]
+    NotDurable {
+        /// The object's id.
+        id: String,
+        /// Why its commits are not known to be durable.
+        message: String,
+    },
     /// The object in memory has another type than the stub expects; only
     /// possible if a namespace was registered with two object types.
     #[error("object {id} is not of the type this stub expects")]

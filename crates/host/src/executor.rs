@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::context::ObjectContext;
 use crate::host::HostCore;
 use crate::id::object_path;
-use crate::index::{IndexWrite, IndexedAlarm};
+use crate::index::IndexedAlarm;
 use crate::residency::{Admission, Residency};
 use crate::storage::ObjectStorage;
 use crate::{BoxError, CallError, DurableObject, NoAlarmHandler};
@@ -34,6 +34,23 @@ pub(crate) mod testing;
 
 /// Work sent to an executor from any thread.
 pub(crate) type Job = Box<dyn FnOnce(&Rc<Executor>) + Send>;
+
+/// What a call sends back: its result, and the number of the object's
+/// last commit when the result was made (0: none), for the output gate.
+pub(crate) struct Reply<R> {
+    pub(crate) result: Result<R, CallError>,
+    pub(crate) after: u64,
+}
+
+impl<R> Reply<R> {
+    /// A failure the object's code never saw; nothing to wait for.
+    fn failed(error: CallError) -> Self {
+        Reply {
+            result: Err(error),
+            after: 0,
+        }
+    }
+}
 
 /// The first retry of a failed alarm waits this long; each further retry
 /// doubles it (2 s, 4 s, 8 s, ...).
@@ -361,7 +378,7 @@ impl Executor {
         name: Arc<str>,
         caller: Option<ObjectId>,
         f: F,
-        reply: tokio::sync::oneshot::Sender<Result<R, CallError>>,
+        reply: tokio::sync::oneshot::Sender<Reply<R>>,
         guard: crate::work::WorkGuard,
         span: tracing::Span,
     ) where
@@ -374,23 +391,28 @@ impl Executor {
             let slot = match slot {
                 Ok(slot) => slot,
                 Err(error) => {
-                    let _ = reply.send(Err(error));
+                    let _ = reply.send(Reply::failed(error));
                     return;
                 }
             };
             let object = match Rc::clone(&slot.object).into_any().downcast::<T>() {
                 Ok(object) => object,
                 Err(_) => {
-                    let _ = reply.send(Err(CallError::WrongType {
+                    let _ = reply.send(Reply::failed(CallError::WrongType {
                         id: slot.state.id.to_string(),
                     }));
                     return;
                 }
             };
             let activity = slot.state.begin_call();
+            let ctx = slot.ctx.clone();
             let run = async move {
                 let result = f(object).await;
-                let _ = reply.send(Ok(result));
+                let after = ctx.object_storage().last_commit();
+                let _ = reply.send(Reply {
+                    result: Ok(result),
+                    after,
+                });
                 drop(activity);
                 drop(guard);
             };
@@ -544,6 +566,7 @@ impl Executor {
             name,
             self.core.synchronous,
             Arc::clone(&self.core.index),
+            self.core.group.clone(),
             self.me.clone(),
         )
         .map_err(|source| CallError::Storage {
@@ -760,13 +783,7 @@ impl Executor {
         match storage.committed_alarm() {
             // A stale index entry: the object's own row is the truth.
             None => {
-                if let Err(error) =
-                    self.core
-                        .index
-                        .set(&id, &entry.namespace, None, IndexWrite::Relaxed)
-                {
-                    tracing::warn!(object = %id, %error, "stale alarm index entry not removed");
-                }
+                storage.forget_stale_index_entry();
                 return;
             }
             Some(at_ms) if at_ms > now_ms && entry.retry_count == 0 => {

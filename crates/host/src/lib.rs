@@ -9,10 +9,16 @@
 //! implementation of [`durability_platform::Context`]; this crate knows
 //! nothing of the capabilities built on that contract.
 //!
+//! Durability: by default commits do not wait for a sync of their own; a
+//! host-wide flusher syncs them in batches, and a call's reply is released
+//! only once the commits before it are on disk (output gates, see
+//! [`Synchronous`] for the modes and what each promises).
+//!
 //! Module map: `host` (handles: [`Host`], [`Namespace`], [`Stub`]),
 //! `executor` (where objects live, their alarms and eviction), `residency`
 //! (the host-wide cap on live objects and its LRU), `storage` (one
-//! object's database and alarm), `index` (the host's alarm index), `id`
+//! object's database and alarm), `flush` (group commit and the output
+//! gates), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
 //! listing of a data directory), [`telemetry`] (metric names).
 //!
@@ -30,6 +36,7 @@ mod clock;
 mod context;
 mod error;
 mod executor;
+mod flush;
 mod host;
 mod id;
 mod index;
@@ -45,6 +52,7 @@ pub use context::ObjectContext;
 pub use durability_platform::{AlarmInfo, ObjectId};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
+pub use flush::FlushMethod;
 #[cfg(feature = "testing")]
 pub use host::FiredAlarm;
 pub use host::{

@@ -11,6 +11,7 @@ use std::cell::{Cell, RefCell};
 use std::io::Write;
 use std::path::Path;
 use std::rc::Weak;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use durability_platform::{
@@ -23,6 +24,7 @@ use rusqlite::{Connection, OpenFlags, params};
 use crate::Synchronous;
 use crate::error::{closed_error, storage_error};
 use crate::executor::Executor;
+use crate::flush::GroupCommit;
 use crate::index::{AlarmIndex, IndexWrite};
 
 /// The host's tables inside every object file. Capabilities use other names.
@@ -80,6 +82,19 @@ pub(crate) struct ObjectStorage {
     changed: Cell<bool>,
     /// Whether a commit syncs the WAL (`synchronous=FULL`), for the metrics.
     syncs_on_commit: bool,
+    /// Group commit (`Synchronous::Batched`): numbers each commit.
+    group: Option<Arc<GroupCommit>>,
+    /// The object's WAL file, which the flusher syncs.
+    wal: Arc<Path>,
+    /// Set by SQLite's commit hook, so a commit of any kind (a transaction,
+    /// a statement in autocommit mode, a script) gets its number.
+    committing: Arc<AtomicBool>,
+    /// The number of this object's last commit (0: none yet).
+    last_commit: Cell<u64>,
+    /// Whether a commit has been numbered since the file was opened: the
+    /// first one may have created the WAL, whose directory entry the
+    /// flusher must sync too.
+    numbered: Cell<bool>,
 }
 
 impl ObjectStorage {
@@ -93,8 +108,11 @@ impl ObjectStorage {
         name: Option<&str>,
         synchronous: Synchronous,
         index: Arc<AlarmIndex>,
+        group: Option<Arc<GroupCommit>>,
         executor: Weak<Executor>,
     ) -> Result<(Self, Recorded), StorageError> {
+        // No sync image may be copied while the file is being made.
+        let files = group.as_ref().and_then(|g| g.hold_files());
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|e| StorageError::Unavailable {
                 message: format!("cannot create {}: {e}", dir.display()),
@@ -115,21 +133,20 @@ impl ObjectStorage {
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(storage_error)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
+        let committing = Arc::new(AtomicBool::new(false));
+        if group.is_some() {
+            let flag = Arc::clone(&committing);
+            conn.commit_hook(Some(move || {
+                flag.store(true, Ordering::Release);
+                false
+            }));
+        }
         let recorded = setup(&conn, &id, &namespace, name)?;
         conn.pragma_update(None, "synchronous", synchronous.pragma())
             .map_err(storage_error)?;
-        let mut indexed = index.get(&id)?;
-        if indexed != recorded.alarm {
-            // The file is the truth: a crash between the two commits (or a
-            // lost index) left the index early or stale; make it exact.
-            let write = match (recorded.alarm, indexed) {
-                (Some(at), Some(indexed)) if at < indexed => IndexWrite::Lowering,
-                (Some(_), None) => IndexWrite::Lowering,
-                _ => IndexWrite::Relaxed,
-            };
-            index.set(&id, &namespace, recorded.alarm, write)?;
-            indexed = recorded.alarm;
-        }
+        drop(files);
+        let mut wal = path.as_os_str().to_owned();
+        wal.push("-wal");
         let storage = ObjectStorage {
             conn: RefCell::new(Some(conn)),
             id,
@@ -137,19 +154,91 @@ impl ObjectStorage {
             index,
             executor,
             alarm: Cell::new(recorded.alarm),
-            indexed: Cell::new(indexed),
+            indexed: Cell::new(None),
             pending: Cell::new(None),
             depth: Cell::new(0),
             aborted: RefCell::new(None),
             hidden: Cell::new(false),
             changed: Cell::new(false),
             syncs_on_commit: synchronous == Synchronous::Full,
+            group,
+            wal: Arc::from(Path::new(&wal)),
+            committing,
+            last_commit: Cell::new(0),
+            numbered: Cell::new(false),
         };
+        storage.correct_index(recorded.alarm)?;
         Ok((storage, recorded))
+    }
+
+    /// The file is the truth: a crash between the two commits (or a lost
+    /// index) left the index early or stale; make it exact.
+    fn correct_index(&self, alarm: Option<EpochMs>) -> Result<(), StorageError> {
+        let indexed = self.index.get(&self.id)?;
+        self.indexed.set(indexed);
+        if indexed == alarm {
+            return Ok(());
+        }
+        let lowering = match (alarm, indexed) {
+            (Some(at), Some(indexed)) => at < indexed,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if lowering {
+            self.index
+                .set(&self.id, &self.namespace, alarm, IndexWrite::Lowering)?;
+        } else {
+            self.index_after_commit(alarm, true);
+        }
+        self.indexed.set(alarm);
+        Ok(())
+    }
+
+    /// Writes the exact index entry after a commit: at once, or with group
+    /// commit once the commit is durable (see [`crate::index`]). With
+    /// `unnumbered`, what the file holds may include commits this storage
+    /// did not number (an earlier process's, not yet synced): they are
+    /// numbered now, so the update waits for a sync of the file.
+    fn index_after_commit(&self, alarm: Option<EpochMs>, unnumbered: bool) {
+        if let Some(group) = &self.group {
+            if unnumbered {
+                self.number_commit(group);
+            }
+            self.index
+                .defer(&self.id, &self.namespace, alarm, self.last_commit.get());
+            return;
+        }
+        if let Err(error) = self
+            .index
+            .set(&self.id, &self.namespace, alarm, IndexWrite::Relaxed)
+        {
+            // The index stays earlier than (or as stale as) the file,
+            // which costs at most a spurious wake.
+            tracing::warn!(object = %self.id, %error, "alarm index update failed");
+        }
+    }
+
+    fn number_commit(&self, group: &GroupCommit) {
+        let seq = group.committed(&self.wal, !self.numbered.replace(true));
+        self.last_commit.set(seq);
+    }
+
+    /// The index names an alarm the file does not hold: remove the entry
+    /// (an alarm run found nothing to deliver).
+    pub(crate) fn forget_stale_index_entry(&self) {
+        self.index_after_commit(None, true);
+        self.indexed.set(None);
+    }
+
+    /// The number of the object's last commit, for the output gate.
+    pub(crate) fn last_commit(&self) -> u64 {
+        self.last_commit.get()
     }
 
     /// Closes the connection; later calls fail with `Unavailable`.
     pub(crate) fn close(&self) {
+        // Closing checkpoints the WAL into the database file.
+        let _files = self.group.as_ref().and_then(|g| g.hold_files());
         if let Ok(mut conn) = self.conn.try_borrow_mut() {
             conn.take();
         }
@@ -189,7 +278,17 @@ impl ObjectStorage {
         }
         let conn = self.conn.try_borrow().map_err(|_| closed_error())?;
         let conn = conn.as_ref().ok_or_else(closed_error)?;
+        let files = self.group.as_ref().and_then(|g| g.hold_files());
         let result = f(conn);
+        if let Some(group) = &self.group
+            && self.depth.get() == 0
+            && self.committing.swap(false, Ordering::AcqRel)
+        {
+            // Numbered before a sync image may be copied: the image then
+            // holds exactly the commits up to its number.
+            self.number_commit(group);
+        }
+        drop(files);
         if let Err(error) = &result {
             // SQLite rolls a transaction back by itself after some errors
             // (full disk, I/O); remember it so the body cannot go on in
@@ -359,17 +458,8 @@ impl ObjectStorage {
         self.hidden.set(false);
         self.changed.set(true);
         if self.indexed.get() != alarm {
-            match self
-                .index
-                .set(&self.id, &self.namespace, alarm, IndexWrite::Relaxed)
-            {
-                Ok(()) => self.indexed.set(alarm),
-                // The index stays earlier than (or as stale as) the file,
-                // which costs at most a spurious wake.
-                Err(error) => {
-                    tracing::warn!(object = %self.id, %error, "alarm index update failed")
-                }
-            }
+            self.index_after_commit(alarm, false);
+            self.indexed.set(alarm);
         }
         if let Some(executor) = self.executor.upgrade() {
             executor.alarm_changed(&self.id, &self.namespace, alarm);

@@ -22,7 +22,8 @@ pub const EVICTIONS: &str = "durability_host_evictions_total";
 /// Counter: transactions committed to object files.
 pub const COMMITS: &str = "durability_host_commits_total";
 /// Counter: syncs to disk the host asked for: one per object commit with
-/// `synchronous=FULL`, one per alarm-index write that must be durable.
+/// `synchronous=FULL`, one per alarm-index write that must be durable, and
+/// with group commit one per WAL file (and new directory) a flush syncs.
 pub const FSYNCS: &str = "durability_host_fsyncs_total";
 /// Counter: deliveries of an object's alarm, by `namespace` (retries too).
 pub const ALARM_FIRES: &str = "durability_host_alarm_fires_total";

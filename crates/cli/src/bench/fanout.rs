@@ -1,14 +1,16 @@
 //! `fanout`: durable batch acceptance and delivery to two targets, against a
 //! floor of raw rusqlite doing the same row writes.
 //!
-//! One object on the real host (one executor thread, real time,
-//! synchronous FULL) owns a fanout with two consumer targets that ack every
+//! One object on the real host (one executor thread, real time, the
+//! default durability mode) owns a fanout with two consumer targets that ack every
 //! message at once. A producer enqueues the messages in calls of
 //! [`ENQUEUE_BATCH`] while the object delivers them in batches of
 //! [`DELIVERY_BATCH`]; the run ends when every (message, target) was acked.
 //! It runs with `ack_on_return` (one commit acks a whole batch; 100,000
 //! messages) and without (the consumer acks each message, one commit each;
-//! 20,000 messages, as each costs a commit of its own).
+//! 20,000 messages, as each costs a commit of its own). The ack-each part
+//! runs again with the host in FULL mode (a sync per commit): the gain of
+//! group commit where every delivery commits on its own.
 //!
 //! Each part runs three rounds, the floor and the fanout taking turns, and
 //! keeps each one's best round: a machine busy with something else for a
@@ -29,10 +31,11 @@ use durability::fanout::{EnqueueOptions, Fanout, FanoutInput, FanoutMessage, Tar
 use durability::memo::MEMO_MIGRATIONS;
 use durability::migrations::FANOUT_MIGRATIONS;
 use durability::{HandlerError, Scheduler};
-use durability_host::{AlarmInfo, BoxError, DurableObject, Host, ObjectContext, Stub};
+use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::{BenchEnv, BenchError, Latency, Measurement, ScenarioReport};
+use super::modes::Mode;
+use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "fanout";
@@ -227,7 +230,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         figures: Vec::new(),
         notes: vec![
             format!(
-                "{} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host synchronous FULL",
+                "{} targets; enqueue calls of {ENQUEUE_BATCH}, delivery batches of {DELIVERY_BATCH}; one object, host in its default mode (group commit with output gates); ack-each-full: the host with synchronous=FULL",
                 TARGETS.len()
             ),
             "deliveries: (message, target) pairs acked per second, from the first enqueue to the last ack; enqueue: one call of 100 messages, as its caller waits for it".into(),
@@ -237,11 +240,16 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             ),
         ],
     };
-    for ack_on_return in [true, false] {
-        let (mode, messages) = if ack_on_return {
-            ("ack-on-return", env.size(100_000, 2_000))
-        } else {
-            ("ack-each", env.size(20_000, 500))
+    let mut ack_each_rates = Vec::new();
+    for (ack_on_return, host_mode) in [
+        (true, Mode::DEFAULT),
+        (false, Mode::DEFAULT),
+        (false, Mode::FULL),
+    ] {
+        let (mode, messages) = match (ack_on_return, host_mode.key) {
+            (true, _) => ("ack-on-return", env.size(100_000, 2_000)),
+            (false, "full") => ("ack-each-full", env.size(20_000, 500)),
+            (false, _) => ("ack-each", env.size(20_000, 500)),
         };
         let deliveries = messages * count(TARGETS.len());
         let mut best_floor: Option<Measurement> = None;
@@ -254,7 +262,8 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             {
                 best_floor = Some(floor);
             }
-            let drained = runtime.block_on(fanout_run(env, mode, messages, ack_on_return))?;
+            let drained =
+                runtime.block_on(fanout_run(env, mode, messages, ack_on_return, host_mode))?;
             if best_fanout
                 .as_ref()
                 .is_none_or(|best| drained.elapsed < best.elapsed)
@@ -281,9 +290,22 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             drained.enqueue_elapsed,
             &drained.enqueue_latency,
         );
+        if !ack_on_return {
+            ack_each_rates.push(delivered.ops_per_sec());
+        }
         report.measurements.push(delivered);
         report.measurements.push(enqueue);
         report.measurements.push(floor);
+    }
+    if let [default, full] = ack_each_rates[..]
+        && full > 0.0
+    {
+        report.figures.push(Figure {
+            key: "ack_each_gain_over_full",
+            label: "ack-each deliveries/s, default mode ÷ FULL".into(),
+            value: default / full,
+            unit: "×",
+        });
     }
     Ok(report)
 }
@@ -293,9 +315,10 @@ async fn fanout_run(
     mode: &str,
     messages: u64,
     ack_on_return: bool,
+    host_mode: Mode,
 ) -> Result<Drained, BenchError> {
     let dir = env.subdir(&format!("fanout-{mode}"))?;
-    let host = Host::builder(&dir).threads(1).build()?;
+    let host = host_mode.builder(&dir).threads(1).build()?;
     let delivered = Arc::new(AtomicU64::new(0));
     let config = MailConfig {
         ack_on_return,

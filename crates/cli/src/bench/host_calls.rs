@@ -1,10 +1,17 @@
 //! `host-calls`: what the object host costs on top of SQLite.
 //!
-//! Runs the real host (multi-thread mode, real time, synchronous FULL, its
-//! default) on one data directory and measures, in this order:
-//! - calls per second to one object and across many objects, each call one
-//!   small SQL write, divided by the raw SQLite floor of the same write
-//!   measured in the same run;
+//! Runs the real host (multi-thread mode, real time) and measures, in this
+//! order:
+//! - in each durability mode (the default, group commit with output gates,
+//!   with per-WAL syncs and with `syncfs`; FULL; NORMAL), each on a data
+//!   directory of its own: 64 callers writing to one object and across
+//!   1,000, each call one small SQL write committed on its own. Replies/s
+//!   is calls whose reply the caller got; commits/s is commits returned
+//!   inside the objects, until the last one (in the default mode a commit
+//!   returns before its reply is released). Both are divided by the raw
+//!   SQLite FULL floor of the same write measured in the same run;
+//! - then, in the default mode on one data directory: one caller's round
+//!   trip to one object;
 //! - the time to open objects (a first call constructs the object: opens its
 //!   file and runs its migration), on new files and on existing ones;
 //! - resident memory per live object, and per evicted object with an armed
@@ -25,6 +32,7 @@ use durability_platform::{AlarmInfo, Context, EpochMs, StorageError, StorageExt,
 use indicatif::ProgressBar;
 use tokio::sync::mpsc;
 
+use super::modes::{self, Mode};
 use super::rss;
 use super::sqlite_floor::{self, SyncMode, WRITE_SQL, WRITE_VALUE, WRITES_TABLE_SQL};
 use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
@@ -100,17 +108,41 @@ impl Sizes {
     }
 }
 
+/// Commits made by the objects of one host, and when the last one returned.
+#[derive(Default)]
+struct Commits {
+    count: AtomicU64,
+    last: std::sync::Mutex<Option<Instant>>,
+}
+
+impl Commits {
+    fn record(&self) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(Instant::now());
+        }
+    }
+
+    /// (commits so far, when the last one returned).
+    fn read(&self) -> (u64, Option<Instant>) {
+        let last = self.last.lock().ok().and_then(|last| *last);
+        (self.count.load(Ordering::Relaxed), last)
+    }
+}
+
 /// The benchmark's object: a table of small writes, and the time its alarm
 /// was armed for, so the alarm handler can measure its own lateness.
 struct BenchObject {
     ctx: ObjectContext,
     lateness_ms: mpsc::UnboundedSender<EpochMs>,
+    commits: Arc<Commits>,
 }
 
 impl BenchObject {
     fn construct(
         ctx: ObjectContext,
         lateness_ms: mpsc::UnboundedSender<EpochMs>,
+        commits: Arc<Commits>,
     ) -> Result<Self, BoxError> {
         // One transaction: one commit for a new file's tables, as a
         // capability's migration does.
@@ -119,7 +151,11 @@ impl BenchObject {
                 sql.execute_script(WRITES_TABLE_SQL)?;
                 sql.execute_script(OBJECT_SCHEMA_SQL)
             })?;
-        Ok(BenchObject { ctx, lateness_ms })
+        Ok(BenchObject {
+            ctx,
+            lateness_ms,
+            commits,
+        })
     }
 
     /// One small write, committed on its own: the same row as the floor's.
@@ -127,6 +163,7 @@ impl BenchObject {
         self.ctx
             .storage()
             .execute(WRITE_SQL, &params![self.ctx.now_ms(), WRITE_VALUE])?;
+        self.commits.record();
         Ok(())
     }
 
@@ -181,28 +218,35 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
     // The floor first, on the same disk, so the ratios compare like with like.
     let floor = sqlite_floor::measure_write(env, SyncMode::Full, sizes.floor_ops)?;
 
-    let report = ScenarioReport {
+    let mut report = ScenarioReport {
         scenario: NAME,
         quick: env.quick(),
-        headline: "one-object/64-callers".into(),
+        headline: "default/one-object/64-callers".into(),
         measurements: vec![floor.clone()],
         figures: Vec::new(),
         notes: vec![
             format!(
-                "host: {threads} executor threads, synchronous FULL; each call inserts one small row"
+                "host: {threads} executor threads; each call inserts one small row in its own commit"
             ),
-            "÷ floor: calls/s divided by full/write, raw rusqlite inserting the same row on one connection; above 1 when commits to different object files overlap".into(),
+            "modes: default = group commit with output gates (fdatasync of each dirty WAL per flush), default-syncfs = the same with one syncfs per flush, full = a sync per commit, normal = no sync".into(),
+            "ops/s = replies/s (calls whose reply was released); commits_per_sec = commits returned inside the objects, until the last one".into(),
+            "÷ floor: replies/s divided by full/write, raw rusqlite inserting the same row on one connection with synchronous=FULL; above 1 when commits overlap".into(),
         ],
     };
     runtime.block_on(async move {
+        for mode in modes::with_syncfs() {
+            let measured = calls_in_mode(env, mode, threads, &sizes, &floor).await?;
+            report.measurements.extend(measured);
+        }
         let dir = env.subdir("host-calls")?;
         let host = Host::builder(&dir)
             .threads(threads)
             .idle_timeout(IDLE_TIMEOUT)
             .build()?;
         let (lateness_tx, lateness_rx) = mpsc::unbounded_channel();
+        let commits = Arc::new(Commits::default());
         let ns = host.namespace::<BenchObject>(NAMESPACE, move |ctx| {
-            BenchObject::construct(ctx, lateness_tx.clone())
+            BenchObject::construct(ctx, lateness_tx.clone(), Arc::clone(&commits))
         })?;
         let mut run = Run {
             env,
@@ -233,66 +277,30 @@ struct Run<'a> {
 impl Run<'_> {
     async fn all(&mut self) -> Result<(), BenchError> {
         self.calls_to_one_object().await?;
-        self.calls_to_many_objects().await?;
         let opened = self.open_objects().await?;
         self.memory_and_sleeping_alarms(&opened).await?;
         self.alarm_probes().await?;
         self.alarm_storm().await
     }
 
-    /// One object, one caller (the round trip of a call), then many callers
-    /// (the object's thread is the bottleneck).
+    /// One object, one caller: the round trip of a call.
     async fn calls_to_one_object(&mut self) -> Result<(), BenchError> {
         let one = Arc::new(vec![self.ns.stub("one")?]);
         call_write(Arc::clone(&one), 0).await?;
-        for (name, what, calls, callers) in [
-            (
-                "one-object/sequential",
-                "1 call = 1 row insert, 1 caller",
-                self.sizes.sequential_calls,
-                1,
-            ),
-            (
-                "one-object/64-callers",
-                "1 call = 1 row insert, 64 callers",
-                self.sizes.one_object_calls,
-                CALLERS,
-            ),
-        ] {
-            let stubs = Arc::clone(&one);
-            let mut measured = drive(self.env, name, what, calls, callers, move |i| {
-                call_write(Arc::clone(&stubs), i)
-            })
-            .await?;
-            measured.compare_with_floor(&self.floor);
-            self.report.measurements.push(measured);
-        }
-        self.host.evict(one[0].id()).await?;
-        Ok(())
-    }
-
-    /// Many objects, calls round-robin: every executor thread is busy.
-    async fn calls_to_many_objects(&mut self) -> Result<(), BenchError> {
-        let n = self.sizes.many_objects;
-        let stubs = Arc::new(stubs_for(&self.ns, "many", n)?);
-        for i in 0..stubs.len() {
-            call_write(Arc::clone(&stubs), count(i)).await?;
-        }
-        let name = format!("{n}-objects/64-callers");
-        let what = format!("1 call = 1 row insert, 64 callers over {n} objects");
-        let calls = Arc::clone(&stubs);
+        let stubs = Arc::clone(&one);
         let mut measured = drive(
             self.env,
-            &name,
-            &what,
-            self.sizes.many_object_calls,
-            CALLERS,
-            move |i| call_write(Arc::clone(&calls), i),
+            "default/one-object/sequential",
+            "1 call = 1 row insert, 1 caller",
+            self.sizes.sequential_calls,
+            1,
+            move |i| call_write(Arc::clone(&stubs), i),
         )
         .await?;
         measured.compare_with_floor(&self.floor);
         self.report.measurements.push(measured);
-        self.evict_all(&stubs).await
+        self.host.evict(one[0].id()).await?;
+        Ok(())
     }
 
     /// First calls to new objects (file created, migration run), then to
@@ -591,6 +599,79 @@ async fn call_write(stubs: Arc<Vec<Stub<BenchObject>>>, i: u64) -> Result<(), Be
         .call(|object: Rc<BenchObject>| async move { object.write() })
         .await??;
     Ok(())
+}
+
+/// 64 callers writing to one object, then across many, on a host of its
+/// own in `mode`: replies/s and commits/s.
+async fn calls_in_mode(
+    env: &BenchEnv,
+    mode: Mode,
+    threads: usize,
+    sizes: &Sizes,
+    floor: &Measurement,
+) -> Result<Vec<Measurement>, BenchError> {
+    let dir = env.subdir(&format!("host-calls-{}", mode.key))?;
+    let host = mode
+        .builder(&dir)
+        .threads(threads)
+        .idle_timeout(IDLE_TIMEOUT)
+        .build()?;
+    let commits = Arc::new(Commits::default());
+    let made = Arc::clone(&commits);
+    let (lateness_tx, _lateness_rx) = mpsc::unbounded_channel();
+    let ns = host.namespace::<BenchObject>(NAMESPACE, move |ctx| {
+        BenchObject::construct(ctx, lateness_tx.clone(), Arc::clone(&made))
+    })?;
+    let mut measured = Vec::new();
+    let placements = [
+        ("one-object".to_owned(), 1, sizes.one_object_calls),
+        (
+            format!("{}-objects", sizes.many_objects),
+            sizes.many_objects,
+            sizes.many_object_calls,
+        ),
+    ];
+    let outcome = async {
+        for (placement, n, calls) in placements {
+            let stubs = Arc::new(stubs_for(&ns, &placement, n)?);
+            // Every object is live and written once before the clock starts.
+            for i in 0..stubs.len() {
+                call_write(Arc::clone(&stubs), count(i)).await?;
+            }
+            let (commits_before, _) = commits.read();
+            let started = Instant::now();
+            let name = format!("{}/{placement}/64-callers", mode.key);
+            let what = format!("1 call = 1 row insert, 64 callers over {n} objects");
+            let calls_to = Arc::clone(&stubs);
+            let mut replies = drive(env, &name, &what, calls, CALLERS, move |i| {
+                call_write(Arc::clone(&calls_to), i)
+            })
+            .await?;
+            replies.compare_with_floor(floor);
+            let (commits_after, last) = commits.read();
+            let committed = commits_after.saturating_sub(commits_before);
+            let until_last = last.map_or(replies.elapsed, |last| last.duration_since(started));
+            let commits_per_sec = if until_last.is_zero() {
+                0.0
+            } else {
+                committed as f64 / until_last.as_secs_f64()
+            };
+            let replies_per_sec = replies.ops_per_sec().round();
+            measured.push(
+                replies
+                    .with("objects", count(n))
+                    .with("commits_per_sec", commits_per_sec.round())
+                    .with("replies_per_sec", replies_per_sec),
+            );
+            for stub in stubs.iter() {
+                host.evict(stub.id()).await?;
+            }
+        }
+        Ok::<_, BenchError>(())
+    }
+    .await;
+    host.shutdown().await;
+    outcome.map(|()| measured)
 }
 
 /// Stubs for objects `prefix-0` .. `prefix-(n-1)`.

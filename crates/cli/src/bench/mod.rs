@@ -14,6 +14,7 @@ mod fanout_backlog;
 mod host_calls;
 mod latency;
 mod log;
+mod modes;
 mod operations;
 mod report;
 mod routing;
@@ -29,6 +30,34 @@ use indicatif::{ProgressBar, ProgressStyle};
 pub use latency::Latency;
 pub use report::{Figure, Measurement, ScenarioReport};
 
+/// What `durability bench --help` says after the scenario list.
+pub const AFTER_HELP: &str = "\
+Durability modes. The host's default is group commit with output gates: a
+commit returns at memory speed, a host-wide flusher syncs every pending
+commit of every object together, and a call's reply is released once the
+commits before it are on disk. `full` syncs each commit; `normal` never
+waits for a sync (no promise at power loss). Scenarios name their
+measurements by mode: default/..., default-syncfs/... (one syncfs per flush
+instead of one fdatasync per dirty WAL), full/..., normal/....
+
+  operations   end-to-end no-op ops/s (first registration to last committed
+               completion) with 1 and 64 callers, on one object and across
+               100, per mode; p50/p99 = one registration as its caller waits.
+               Top-level ops_per_sec = default/100-objects/64-callers;
+               top-level floor_ratio = that / full/write (the FULL 1-row
+               commit rate of raw SQLite, same run).
+  host-calls   64 callers over 1 and 1,000 objects, each call one commit, per
+               mode (with default-syncfs): ops_per_sec = replies/s,
+               commits_per_sec = commits returned inside the objects.
+  fanout       deliveries/s with ack_on_return (one commit per batch) and
+               without (ack-each, one commit per delivery) in the default
+               mode, and ack-each again in full mode: the figure
+               ack_each_gain_over_full is the gain.
+
+Every rate is also divided by a raw-SQLite floor measured in the same run
+(floor_ratio, the ÷ floor column). On a machine shared with other work,
+quote figures with their floor ratio: absolute rates move with the load.";
+
 /// Arguments of `durability bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
@@ -36,7 +65,8 @@ pub struct BenchArgs {
     #[arg(value_parser = PossibleValuesParser::new(SCENARIOS.iter().map(Scenario::possible_value)))]
     scenario: String,
     /// Also write the results to FILE as one JSON object (fields `scenario`,
-    /// `ops_per_sec`, `p50_us`, `p99_us`, then every measurement).
+    /// `ops_per_sec`, `p50_us`, `p99_us`, `floor_ratio` of the headline,
+    /// then every measurement).
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
     /// Shrink every size so that the run takes seconds (smoke runs, CI).
@@ -123,7 +153,7 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: fanout::NAME,
-        about: "fanout: 2 targets acking at once, ack on return on and off, against a raw-SQLite floor",
+        about: "fanout: 2 targets acking at once, ack on return on and off (and off in full mode), against a raw-SQLite floor",
         run: fanout::run,
     },
     Scenario {
@@ -133,12 +163,12 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: host_calls::NAME,
-        about: "the object host: calls/s, open time, memory per object, alarm lateness",
+        about: "the object host: replies/s and commits/s per durability mode, open time, memory per object, alarm lateness",
         run: host_calls::run,
     },
     Scenario {
         name: operations::NAME,
-        about: "durable operations end to end: registration latency, ops/s on 1 and 100 objects",
+        about: "durable operations end to end per durability mode: ops/s with 1 and 64 callers on 1 and 100 objects, registration p50/p99",
         run: operations::run,
     },
     Scenario {

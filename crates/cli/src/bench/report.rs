@@ -133,7 +133,8 @@ impl ScenarioReport {
     }
 
     /// The report as one JSON object: `scenario`, the headline's
-    /// `ops_per_sec`, `p50_us` and `p99_us`, then every measurement and figure.
+    /// `ops_per_sec`, `p50_us`, `p99_us` and `floor_ratio`, then every
+    /// measurement and figure.
     pub fn to_json(&self) -> Value {
         let headline = self.headline_measurement();
         let latency = headline.and_then(|m| m.latency);
@@ -148,6 +149,7 @@ impl ScenarioReport {
             "ops_per_sec": headline.map(|m| round(m.ops_per_sec())),
             "p50_us": latency.map(|l| l.p50_us),
             "p99_us": latency.map(|l| l.p99_us),
+            "floor_ratio": headline.and_then(|m| m.floor_ratio).map(round),
             "measurements": self.measurements.iter().map(Measurement::to_json).collect::<Vec<_>>(),
             "figures": figures,
             "notes": self.notes,

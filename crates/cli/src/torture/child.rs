@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use durability::fanout::INFRASTRUCTURE_RETRY;
-use durability_host::Host;
+use durability_host::{Host, Synchronous};
 use tokio::time::Instant;
 
 use super::TortureError;
@@ -67,8 +67,12 @@ pub fn live<W: Workload>(life: &Life) -> Result<Ending, TortureError> {
         .build()
         .map_err(|source| TortureError::Runtime { source })?;
     runtime.block_on(async {
+        // The host's default durability mode (group commit with output
+        // gates): what a producer journals as accepted is a reply the gate
+        // released, and a SIGKILL must lose none of it.
         let host = Host::builder(life.files.data())
             .threads(HOST_THREADS)
+            .synchronous(Synchronous::Batched)
             .build()?;
         let outcome = run_life::<W>(&host, life).await;
         // Only a final life gets here normally; it closes every file cleanly

@@ -103,11 +103,18 @@ pub struct Body {
     item: u64,
 }
 
-/// The producer's journal: an accepted enqueue (atomic, one line) or a
-/// rejected one.
+/// The producer's journal: an enqueue about to be sent, then an accepted
+/// enqueue (atomic, one line) or a rejected one.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "fact", rename_all = "snake_case")]
 enum Produced {
+    /// Journaled before the call. An intent with no answer after it is an
+    /// enqueue whose outcome a kill swallowed: it may have committed, and
+    /// its deliveries may even have ended (in-process consumers are not
+    /// held by the output gate) before the reply would have been released,
+    /// so the retry in the next life registers the items anew, with new
+    /// delivery identities.
+    Intent { object: String, items: Vec<u64> },
     Accepted {
         object: String,
         items: Vec<u64>,
@@ -414,8 +421,13 @@ impl Workload for FanoutWorkload {
                 .collect();
             rest = rest.get(items.len().max(1)..).unwrap_or_default();
             let stub = objects.get(block)?;
+            produced.append(&Produced::Intent {
+                object: stub.id().to_string(),
+                items: items.clone(),
+            })?;
             // The id is also the deduplication key: enqueueing an item again
-            // after a kill is a no-op if its first enqueue committed.
+            // after a kill is a no-op if its first enqueue committed and its
+            // deliveries are still owed (see `Produced::Intent`).
             let inputs: Vec<FanoutInput<Body>> = items
                 .iter()
                 .map(|&item| FanoutInput::new(Body { item }).id(message_id(item)))
@@ -644,8 +656,17 @@ fn check_facts(
 ) -> Tally {
     // Accepted messages by (object, id).
     let mut accepted: BTreeMap<(String, String), u64> = BTreeMap::new();
+    // Enqueues of a message whose answer never came, by (object, id).
+    let mut unanswered: HashMap<(String, String), u64> = HashMap::new();
     for fact in produced {
         match fact {
+            Produced::Intent { object, items } => {
+                for item in items {
+                    *unanswered
+                        .entry((object.clone(), message_id(*item)))
+                        .or_default() += 1;
+                }
+            }
             Produced::Accepted { object, items, ids } => {
                 if ids.len() != items.len() {
                     tally.flag(
@@ -660,11 +681,27 @@ fn check_facts(
                 for (item, id) in items.iter().zip(ids) {
                     accepted.insert((object.clone(), id.clone()), *item);
                 }
+                for item in items {
+                    if let Some(n) = unanswered.get_mut(&(object.clone(), message_id(*item))) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
             }
-            Produced::Rejected { items, error, .. } => tally.flag(
-                Violation::Broken("rejected_enqueues"),
-                format!("the enqueue of items {items:?} was rejected: {error}"),
-            ),
+            Produced::Rejected {
+                object,
+                items,
+                error,
+            } => {
+                for item in items {
+                    if let Some(n) = unanswered.get_mut(&(object.clone(), message_id(*item))) {
+                        *n = n.saturating_sub(1);
+                    }
+                }
+                tally.flag(
+                    Violation::Broken("rejected_enqueues"),
+                    format!("the enqueue of items {items:?} was rejected: {error}"),
+                );
+            }
         }
     }
     tally.accepted = u64::try_from(accepted.len()).unwrap_or(u64::MAX);
@@ -684,11 +721,18 @@ fn check_facts(
         }
     }
     for ((object, key), generations) in &identities {
-        // Each redrive gives the delivery one new identity.
-        let allowed = 1 + redrives
-            .get(&((*object).to_owned(), (*key).to_owned()))
-            .copied()
-            .unwrap_or(0);
+        // Each redrive gives the delivery one new identity, and so may each
+        // enqueue of its message whose answer a kill swallowed.
+        let message = key.split_once('@').map_or(*key, |(message, _)| message);
+        let allowed = 1
+            + redrives
+                .get(&((*object).to_owned(), (*key).to_owned()))
+                .copied()
+                .unwrap_or(0)
+            + unanswered
+                .get(&((*object).to_owned(), message.to_owned()))
+                .copied()
+                .unwrap_or(0);
         if generations.len() as u64 > allowed {
             tally.flag(
                 Violation::Broken("unstable_delivery_ids"),
@@ -962,6 +1006,40 @@ mod tests {
 
     /// Item 0's inbox delivery dead-lettered (parked) as `g0`, redriven,
     /// and acked under a new identity.
+    /// Item 0 delivered and acked under a first identity whose enqueue
+    /// answer a kill swallowed, then under a second one after the retry.
+    fn delivered_twice() -> Vec<AttemptFact> {
+        let mut second = attempt(0, INBOX, 1, Some(Outcome::Ok));
+        second.generation = "[\"g-retry\",\"inbox\"]".into();
+        vec![attempt(0, INBOX, 1, Some(Outcome::Ok)), second]
+    }
+
+    fn intent(items: &[u64]) -> Produced {
+        Produced::Intent {
+            object: "o".into(),
+            items: items.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_new_identity_is_allowed_only_after_an_enqueue_whose_answer_was_lost() {
+        let attempts = delivered_twice();
+        // Killed after its intent and before its answer, then retried.
+        let lost = run(
+            &[intent(&[0]), intent(&[0]), accepted(&[0])],
+            &attempts,
+            &Stored::default(),
+        );
+        assert_eq!(lost.broken.get("unstable_delivery_ids"), None);
+        // Every enqueue answered: a second identity is a broken guarantee.
+        let answered = run(
+            &[intent(&[0]), accepted(&[0])],
+            &attempts,
+            &Stored::default(),
+        );
+        assert_eq!(answered.broken.get("unstable_delivery_ids"), Some(&1));
+    }
+
     fn redriven_then_acked() -> Vec<Handled> {
         let old = attempt(0, INBOX, 1, None).generation;
         let mut new = attempt(0, INBOX, 1, None);

@@ -97,6 +97,30 @@ pub(crate) trait AttemptKind {
     }
 }
 
+/// An attempt claimed ahead of its execution: by the transaction that
+/// registered the record (an eager start) or that completed the previous
+/// record of a due pass (a hand-off).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Claimed {
+    pub key: String,
+    pub generation: String,
+    pub attempt: u32,
+}
+
+/// The next record of a due pass, claimed in the transaction that
+/// completes the current attempt: one commit for both, where the pass
+/// would otherwise commit the claim on its own. The claim is the same
+/// compare-and-set as any other, so it never exceeds `max_attempts` and
+/// never touches a replaced record.
+pub(crate) trait Successor {
+    /// Claims the next record inside the completing transaction; `None`
+    /// when there is none or it cannot be claimed now (it then runs as
+    /// usual). An error leaves the transaction to fail like any other.
+    fn claim(&self, sql: &dyn Sql, now: EpochMs) -> Result<Option<Claimed>, StorageError>;
+    /// The completing transaction committed with `claimed`.
+    fn committed(&self, claimed: Claimed);
+}
+
 /// One record generation to execute.
 pub(crate) struct ExecutionSpec {
     pub table: DurableTable,
@@ -113,6 +137,12 @@ pub(crate) struct ExecutionSpec {
     /// out of telemetry).
     pub include_result: bool,
     pub kind: Rc<dyn AttemptKind>,
+    /// An attempt already claimed (and committed) for this generation,
+    /// by the registration of an eager start or by the completion of the
+    /// previous record of a due pass. `None`: the execution claims one.
+    pub claimed: Option<u32>,
+    /// Claims the next record of the pass when this attempt completes.
+    pub successor: Option<Rc<dyn Successor>>,
 }
 
 impl ExecutionSpec {
@@ -232,14 +262,17 @@ impl Engine {
     ) -> (Result<(), DurabilityError>, Option<oneshot::Receiver<()>>) {
         // One statement, no alarm change: next_attempt_at stays in the past,
         // so the physical fallback stays armed while the handler runs.
-        let claimed = claim_attempt(
-            self.sql(),
-            spec.table,
-            &spec.key,
-            &spec.generation,
-            spec.policy.max_attempts,
-            None,
-        );
+        let claimed = match spec.claimed {
+            Some(attempt) => Ok(Some(attempt)),
+            None => claim_attempt(
+                self.sql(),
+                spec.table,
+                &spec.key,
+                &spec.generation,
+                spec.policy.max_attempts,
+                None,
+            ),
+        };
         let attempt = match claimed {
             Err(error) => return (Err(error.into()), None),
             Ok(None) => return (self.fail_exhausted(spec).await, None),
@@ -317,13 +350,23 @@ impl Engine {
         attempt: u32,
     ) -> Result<Option<EpochMs>, HandlerError> {
         let now = self.now();
-        self.transaction_sync(|sql| {
+        let (completed_at, next) = self.transaction_sync(|sql| {
             let completed_at = spec.kind.complete(sql, output, attempt, now)?;
-            if completed_at.is_some() {
-                delete_memos(sql, spec.table, &spec.key)?;
+            if completed_at.is_none() {
+                return Ok((None, None));
             }
-            Ok(completed_at)
-        })
+            delete_memos(sql, spec.table, &spec.key)?;
+            let next = match &spec.successor {
+                Some(successor) => successor.claim(sql, now)?,
+                None => None,
+            };
+            Ok::<_, HandlerError>((completed_at, next))
+        })?;
+        // Synchronous: nothing ran between the commit and this hand-off.
+        if let (Some(successor), Some(next)) = (&spec.successor, next) {
+            successor.committed(next);
+        }
+        Ok(completed_at)
     }
 
     /// Persists a failed attempt as a retry or a terminal failure, with the

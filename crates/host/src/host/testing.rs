@@ -26,7 +26,7 @@ use tokio::sync::oneshot;
 use super::{Host, Namespace, Stub};
 use crate::error::storage_error;
 use crate::executor::testing::{Forced, on_this_thread};
-use crate::executor::{self, Executor};
+use crate::executor::{self, Executor, Reply};
 use crate::id::executor_of;
 use crate::storage::ALARM_TABLE;
 use crate::{CallError, DurableObject, HostError};
@@ -130,11 +130,21 @@ impl<T: DurableObject> Stub<T> {
                 name = %self.name,
             ),
         );
-        rx.await.unwrap_or_else(|_| {
-            Err(CallError::Aborted {
+        let Ok(Reply { result, after }) = rx.await else {
+            return Err(CallError::Aborted {
                 id: self.id.to_string(),
-            })
-        })
+            });
+        };
+        // The output gate, as for `Stub::call`.
+        if let Some(group) = &core.group
+            && let Err(reason) = group.gate(after).await
+        {
+            return Err(CallError::NotDurable {
+                id: self.id.to_string(),
+                message: reason.to_string(),
+            });
+        }
+        result
     }
 
     fn local_executor(&self) -> Result<Rc<Executor>, CallError> {
