@@ -1,5 +1,7 @@
-//! `durability inspect DIR`: lists every object of a data directory as a
-//! table or as JSON.
+//! `durability inspect DIR`: lists every object of a data directory, one
+//! row per object with the figures that matter (what its capabilities owe,
+//! hold parked or failed, how far its log consumers lag); `--wide` adds the
+//! id and the rows of every table, `--json` prints everything.
 //!
 //! It reads the files through `durability_host::inspect`, which opens them
 //! read-only and never constructs an object, so inspecting a directory that
@@ -14,7 +16,8 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use comfy_table::{CellAlignment, ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
-use durability_host::inspect::{ObjectSummary, list_objects};
+use durability::state::CapabilityState;
+use durability_host::inspect::{ObjectSummary, list_objects, read_object};
 use serde_json::json;
 
 /// Arguments of `durability inspect`.
@@ -23,9 +26,13 @@ pub struct InspectArgs {
     /// The data directory to list (as given to `durability demo --data-dir`).
     #[arg(value_name = "DIR")]
     dir: PathBuf,
-    /// Print one JSON object (`data_dir`, `objects`) instead of a table.
-    #[arg(long)]
+    /// Print one JSON object (`data_dir`, `objects`, each object with its
+    /// `tables` and its `capabilities`' state) instead of a table.
+    #[arg(long, conflicts_with = "wide")]
     json: bool,
+    /// Show every column: the id and the rows of each table.
+    #[arg(long)]
+    wide: bool,
 }
 
 /// Why a data directory could not be listed. A single unreadable object file
@@ -79,14 +86,34 @@ pub fn run(args: &InspectArgs) -> Result<Listing, InspectError> {
             dir: args.dir.clone(),
         });
     }
+    let states: Vec<Result<CapabilityState, String>> = objects
+        .iter()
+        .map(|object| capabilities(&args.dir, object))
+        .collect();
     let text = if args.json {
+        let mut entries = Vec::with_capacity(objects.len());
+        for (object, state) in objects.iter().zip(&states) {
+            let mut entry =
+                serde_json::to_value(object).map_err(|source| InspectError::Json { source })?;
+            if let Some(fields) = entry.as_object_mut() {
+                let state = match state {
+                    Ok(state) => serde_json::to_value(state)
+                        .map_err(|source| InspectError::Json { source })?,
+                    Err(_) => serde_json::Value::Null,
+                };
+                fields.insert("capabilities".into(), state);
+            }
+            entries.push(entry);
+        }
         let listing = json!({
             "data_dir": args.dir.display().to_string(),
-            "objects": objects,
+            "objects": entries,
         });
         serde_json::to_string_pretty(&listing).map_err(|source| InspectError::Json { source })?
+    } else if args.wide {
+        render_wide(&args.dir, &objects, now_ms())
     } else {
-        render(&args.dir, &objects, now_ms())
+        render(&args.dir, &objects, &states, now_ms())
     };
     let unreadable = objects.iter().filter(|o| o.error.is_some()).count();
     Ok(Listing {
@@ -110,7 +137,119 @@ fn is_data_dir(dir: &std::path::Path) -> bool {
     .any(|name| dir.join(name).exists())
 }
 
-fn render(dir: &std::path::Path, objects: &[ObjectSummary], now_ms: i64) -> String {
+/// What the capabilities of `object` hold, read without constructing it.
+fn capabilities(dir: &std::path::Path, object: &ObjectSummary) -> Result<CapabilityState, String> {
+    if let Some(error) = &object.error {
+        return Err(error.clone());
+    }
+    match read_object(dir, &object.id, durability::state::read) {
+        Ok(Some(Ok(state))) => Ok(state),
+        Ok(Some(Err(error))) | Err(error) => Err(error.to_string()),
+        Ok(None) => Err("the object's file disappeared".into()),
+    }
+}
+
+/// The default: one row per object, the columns that say whether it is
+/// healthy.
+fn render(
+    dir: &std::path::Path,
+    objects: &[ObjectSummary],
+    states: &[Result<CapabilityState, String>],
+    now_ms: i64,
+) -> String {
+    if objects.is_empty() {
+        return format!("no objects in {}", dir.display());
+    }
+    let mut table = Table::new();
+    table
+        .load_preset(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(vec![
+            "namespace",
+            "name",
+            "alarm",
+            "backlog",
+            "parked",
+            "ops pending",
+            "ops failed",
+            "log lag",
+            "size",
+        ]);
+    for (object, state) in objects.iter().zip(states) {
+        let mut row = vec![
+            object
+                .namespace
+                .as_deref()
+                .map_or_else(|| "?".into(), shown),
+            object.name.as_deref().map_or_else(|| "-".into(), shown),
+            object
+                .alarm_ms
+                .map_or_else(|| "-".into(), |at_ms| alarm_relative(at_ms, now_ms)),
+        ];
+        match state {
+            Ok(state) => row.extend(figures(state)),
+            Err(error) => {
+                row.push(format!("unreadable: {error}"));
+                row.extend(std::iter::repeat_n(String::new(), 4));
+            }
+        }
+        row.push(size(object.file_bytes));
+        table.add_row(row);
+    }
+    for column in 3..=8 {
+        if let Some(column) = table.column_mut(column) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    format!(
+        "{} objects in {} (--wide for ids and tables, --json for everything)\n{table}",
+        objects.len(),
+        dir.display()
+    )
+}
+
+/// backlog, parked, ops pending, ops failed, log lag; `-` where the object
+/// has no such capability.
+fn figures(state: &CapabilityState) -> [String; 5] {
+    let dash = || "-".to_owned();
+    let (backlog, parked) = state.fanout.as_ref().map_or_else(
+        || (dash(), dash()),
+        |f| {
+            (
+                f.targets.iter().map(|t| t.backlog).sum::<u64>().to_string(),
+                f.targets.iter().map(|t| t.parked).sum::<u64>().to_string(),
+            )
+        },
+    );
+    let (pending, failed) = state.operations.as_ref().map_or_else(
+        || (dash(), dash()),
+        |o| {
+            let of = |status: &str| o.by_status.get(status).copied().unwrap_or(0).to_string();
+            (of("pending"), of("failed"))
+        },
+    );
+    let lag = state.log.as_ref().map_or_else(dash, |log| {
+        log.consumers
+            .iter()
+            .map(|c| c.lag)
+            .max()
+            .map_or_else(dash, |lag| lag.to_string())
+    });
+    [backlog, parked, pending, failed, lag]
+}
+
+/// `in 3.2 s` or `12.0 s ago`.
+fn alarm_relative(at_ms: i64, now_ms: i64) -> String {
+    let delta_s = (at_ms - now_ms) as f64 / 1_000.0;
+    if delta_s >= 0.0 {
+        format!("in {delta_s:.1} s")
+    } else {
+        format!("{:.1} s ago", -delta_s)
+    }
+}
+
+/// `--wide`: every object with its id and the rows of each table.
+fn render_wide(dir: &std::path::Path, objects: &[ObjectSummary], now_ms: i64) -> String {
     if objects.is_empty() {
         return format!("no objects in {}", dir.display());
     }
@@ -212,5 +351,15 @@ mod tests {
     fn alarms_read_relative_to_now() {
         assert_eq!(alarm(10_000, 7_000), "10000 (in 3.0 s)");
         assert_eq!(alarm(7_000, 10_000), "7000 (3.0 s ago)");
+        assert_eq!(alarm_relative(10_000, 7_000), "in 3.0 s");
+        assert_eq!(alarm_relative(7_000, 10_000), "3.0 s ago");
+    }
+
+    #[test]
+    fn an_object_without_a_capability_shows_dashes() {
+        assert_eq!(
+            figures(&CapabilityState::default()),
+            ["-", "-", "-", "-", "-"].map(String::from)
+        );
     }
 }

@@ -2,8 +2,8 @@
 //! the capabilities, and the only code of the workspace that prints to the
 //! terminal.
 //!
-//! Each subcommand lives in its own module (`demo`, `inspect`, `bench`,
-//! `torture`) with
+//! Each subcommand lives in its own module (`demo`, `inspect`, `serve`,
+//! `bench`, `torture`) with
 //! its own clap arguments and its own error type; this file only parses the
 //! command line, sets up logging and turns an error into an exit code.
 
@@ -11,6 +11,7 @@ mod bench;
 mod demo;
 mod fuzz;
 mod inspect;
+mod serve;
 mod torture;
 
 use std::error::Error as _;
@@ -37,6 +38,9 @@ enum Command {
     Demo(demo::DemoArgs),
     /// List every object of a data directory without constructing any.
     Inspect(inspect::InspectArgs),
+    /// Serve the dashboard of a data directory, read-only, without
+    /// constructing any object (`/` is the page, `/api/objects` the JSON).
+    Serve(serve::ServeArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
@@ -64,6 +68,8 @@ enum CliError {
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
     Inspect(#[from] inspect::InspectError),
+    #[error(transparent)]
+    Serve(#[from] serve::ServeError),
     #[error(transparent)]
     Bench(#[from] bench::BenchError),
     #[error(transparent)]
@@ -118,6 +124,7 @@ fn main() -> ExitCode {
                 Err(error) => fail(&CliError::from(error)),
             };
         }
+        Command::Serve(args) => serve::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
         // A torture verdict is printed whether it passed or not; the exit
         // code says which.
@@ -181,6 +188,11 @@ fn fail(error: &CliError) -> ExitCode {
 /// Prints a command's output. A closed pipe (`durability inspect DIR | head`)
 /// is the reader's choice, not a failure; any other write error is.
 fn print(text: &str) -> ExitCode {
+    // A command that printed as it went (`serve`, `demo --serve`) has
+    // nothing left to say.
+    if text.is_empty() {
+        return ExitCode::SUCCESS;
+    }
     let mut stdout = std::io::stdout().lock();
     match writeln!(stdout, "{text}").and_then(|()| stdout.flush()) {
         Ok(()) => ExitCode::SUCCESS,

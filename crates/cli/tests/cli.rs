@@ -108,7 +108,33 @@ fn demo_then_inspect_lists_the_mailbox_shards() {
         // Every delivery settled, and the inbox holds what was delivered.
         assert_eq!(rows("durability_fanout_deliveries"), Some(0));
         assert!(rows("mailbox_inbox").is_some_and(|n| n > 0));
+        // Each capability's state, as the dashboard shows it.
+        let fanout = &object["capabilities"]["fanout"];
+        assert_eq!(fanout["messages"], 0, "{fanout}");
+        assert!(object["capabilities"]["operations"]["by_status"]["completed"].as_u64() >= Some(1));
     }
+
+    // The default: one row per object, few columns, no table dump.
+    let table = durability(&["inspect", path_arg(&data)]);
+    assert!(succeeded(&table));
+    let text = String::from_utf8_lossy(&table.stdout);
+    for expected in [
+        "2 objects in",
+        "backlog",
+        "parked",
+        "ops failed",
+        "mailbox-0",
+        "mailbox-1",
+    ] {
+        assert!(text.contains(expected), "lacks {expected:?}:\n{text}");
+    }
+    assert!(!text.contains("durability_fanout_deliveries"), "{text}");
+    let lines = text.lines().filter(|l| l.contains("mailbox-")).count();
+    assert_eq!(lines, 2, "one row per object:\n{text}");
+    let wide = durability(&["inspect", path_arg(&data), "--wide"]);
+    assert!(succeeded(&wide));
+    let text = String::from_utf8_lossy(&wide.stdout);
+    assert!(text.contains("durability_fanout_deliveries=0"), "{text}");
 }
 
 #[test]

@@ -1077,6 +1077,10 @@ impl AttemptKind for AlarmAttempt {
                 &self.name,
             ))));
         };
+        if attempt == 1 {
+            let lateness_ms = inner.engine.now().saturating_sub(self.scheduled_at);
+            crate::telemetry::alarm_lateness(&self.name, lateness_ms);
+        }
         let memo = Memo::new(
             Rc::clone(&inner.engine.ctx),
             ALARMS,

@@ -23,6 +23,9 @@ pub mod record;
 pub mod retry;
 pub mod routing;
 pub mod scheduler;
+pub mod state;
+pub mod telemetry;
+pub mod trace;
 
 pub use alarms::{
     AlarmCall, AlarmEntry, AlarmState, Alarms, AlarmsBuilder, MissedTicks, Recurrence,

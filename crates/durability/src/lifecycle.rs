@@ -438,6 +438,7 @@ impl Emitter {
     /// Calls every attached hook with `event`. Never fails and never changes
     /// state: a hook's failure is logged and does not stop the other hooks.
     pub fn emit(&self, event: &LifecycleEvent) {
+        crate::telemetry::record_event(event);
         // A snapshot, so that a hook may attach or detach hooks (or emit)
         // without finding the list borrowed.
         let hooks: Vec<LifecycleHook> = self

@@ -53,6 +53,7 @@ use crate::scheduler::attempt::{
     ActiveMap, AttemptKind, Claimed, ExecutionSpec, Output, Successor,
 };
 use crate::scheduler::{AbortSignal, Engine, Participant, Scheduler};
+use crate::trace::TraceCapture;
 
 /// The record table of operations.
 pub const CALLS: DurableTable = DurableTable {
@@ -78,6 +79,9 @@ pub struct DurableCall<P> {
     pub signal: AbortSignal,
     /// Persists a step's result so a retried attempt reuses it.
     pub memo: Memo,
+    /// The producer's trace context captured at registration (see
+    /// [`crate::trace`]), to continue its trace; `None` without a capture.
+    pub trace_context: Option<String>,
     /// The physical alarm's invocation info when this attempt runs in a
     /// pass the object's alarm started (`Scheduler::alarm(Some(info))`);
     /// `None` for an eager start at registration and for runs of the
@@ -94,6 +98,7 @@ struct CallInput {
     attempt: u32,
     signal: AbortSignal,
     memo: Memo,
+    trace_context: Option<String>,
     platform: Option<AlarmInfo>,
 }
 
@@ -139,6 +144,7 @@ pub struct OperationsBuilder {
     include_result: bool,
     max_payload_bytes: usize,
     hooks: Vec<LifecycleHook>,
+    trace: Option<TraceCapture>,
 }
 
 impl OperationsBuilder {
@@ -175,6 +181,7 @@ impl OperationsBuilder {
                 attempt: input.attempt,
                 signal: input.signal,
                 memo: input.memo,
+                trace_context: input.trace_context,
                 platform: input.platform,
             });
             Box::pin(async move {
@@ -233,6 +240,13 @@ impl OperationsBuilder {
         self
     }
 
+    /// Captures the producer's trace context at each registration and
+    /// hands it to every attempt (see [`crate::trace`]). Default: none.
+    pub fn trace_context(mut self, capture: TraceCapture) -> Self {
+        self.trace = Some(capture);
+        self
+    }
+
     /// Validates the policy, migrates the schema and attaches to the
     /// scheduler.
     pub fn build(self) -> Result<Operations, DurabilityError> {
@@ -266,6 +280,7 @@ impl OperationsBuilder {
             max_payload_bytes: self.max_payload_bytes,
             emitter,
             active: ActiveMap::default(),
+            trace: self.trace,
             reserved: RefCell::new(HashSet::new()),
         });
         engine.register(&inner)?;
@@ -324,6 +339,7 @@ struct Inner {
     max_payload_bytes: usize,
     emitter: Emitter,
     active: ActiveMap,
+    trace: Option<TraceCapture>,
     /// Ids whose attempt was claimed ahead of their execution (an eager
     /// start, a hand-off) and whose claimer has not started it yet. Any
     /// other execution leaves them alone: claiming again would spend an
@@ -393,6 +409,7 @@ impl Operations {
             include_result: false,
             max_payload_bytes: DEFAULT_MAX_BODY_BYTES,
             hooks: Vec::new(),
+            trace: None,
         }
     }
 
@@ -427,6 +444,7 @@ impl Operations {
         let engine = &inner.engine;
         let now = engine.now();
         let generation = engine.new_generation();
+        let trace_context = crate::trace::capture(inner.trace.as_ref());
         // Eager start only when a permit is free right now; otherwise the
         // timer armed by the commit queues for one. With a permit, the
         // first attempt is claimed in the registration's own transaction:
@@ -466,6 +484,9 @@ impl Operations {
                 if !inserted {
                     return Ok(None);
                 }
+                if let Some(context) = &trace_context {
+                    crate::trace::store(sql, CALLS, id, &generation, now, context)?;
+                }
                 let claimed = if eager {
                     claim_attempt(sql, CALLS, id, generation.as_str(), max_attempts, None)?
                 } else {
@@ -495,7 +516,8 @@ impl Operations {
                 generation,
                 attempt,
             };
-            engine.ctx.wait_until(Box::pin(async move {
+            // Run in the caller's span, so the attempt links to the producer.
+            let task = async move {
                 if let Err(error) = run
                     .execute(&id, Some(permit), Some(claimed), None, None)
                     .await
@@ -517,7 +539,10 @@ impl Operations {
                         "re-arming after an eager start failed"
                     );
                 }
-            }));
+            };
+            engine
+                .ctx
+                .wait_until(Box::pin(tracing::Instrument::in_current_span(task)));
         }
         Ok(Registration::Created)
     }
@@ -970,6 +995,15 @@ impl AttemptKind for OperationAttempt {
                 attempt,
             },
         );
+        let trace_context =
+            crate::trace::load(inner.engine.sql(), CALLS, &self.id, &self.generation)
+                .unwrap_or_else(|error| {
+                    tracing::warn!(%error, "trace context unreadable; the attempt runs without it");
+                    None
+                });
+        if let Some(context) = &trace_context {
+            tracing::Span::current().record("producer", context.as_str());
+        }
         handler(CallInput {
             id: self.id.clone(),
             operation: self.operation.clone(),
@@ -977,6 +1011,7 @@ impl AttemptKind for OperationAttempt {
             attempt,
             signal,
             memo,
+            trace_context,
             platform: self.platform,
         })
     }

@@ -380,6 +380,7 @@ impl Executor {
         f: F,
         reply: tokio::sync::oneshot::Sender<Reply<R>>,
         guard: crate::work::WorkGuard,
+        span: tracing::Span,
     ) where
         T: DurableObject,
         F: FnOnce(Rc<T>) -> Fut + 'static,
@@ -405,7 +406,7 @@ impl Executor {
             };
             let activity = slot.state.begin_call();
             let ctx = slot.ctx.clone();
-            slot.state.spawn_tracked(Box::pin(async move {
+            let run = async move {
                 let result = f(object).await;
                 let after = ctx.object_storage().last_commit();
                 let _ = reply.send(Reply {
@@ -414,7 +415,8 @@ impl Executor {
                 });
                 drop(activity);
                 drop(guard);
-            }));
+            };
+            slot.state.spawn_tracked(Box::pin(run.instrument(span)));
         });
         self.with_object(id, namespace, Some(name), caller, then);
     }
@@ -621,6 +623,8 @@ impl Executor {
             self.core.idle_timeout,
         );
         state.spawn_tracked(Box::pin(watcher));
+        crate::telemetry::constructed(namespace);
+        crate::telemetry::live_objects(self.core.residency.live());
         Ok(slot)
     }
 
@@ -633,6 +637,8 @@ impl Executor {
         slot.state.abort_all();
         slot.ctx.object_storage().close();
         self.core.residency.left(id);
+        crate::telemetry::evicted();
+        crate::telemetry::live_objects(self.core.residency.live());
         tracing::debug!(object = %id, "object evicted");
         true
     }
@@ -813,6 +819,9 @@ impl Executor {
             entry: Some(entry.clone()),
             report,
         };
+        let lateness_ms =
+            (entry.retry_count == 0).then(|| self.core.clock.now_ms().saturating_sub(entry.at_ms));
+        crate::telemetry::alarm_fired(&entry.namespace, lateness_ms);
         let span = tracing::info_span!(
             "alarm",
             object = %id,

@@ -317,7 +317,10 @@ fn sync_wal_files(files: &[(&Arc<Path>, bool)]) -> std::io::Result<()> {
     let mut dirs = HashSet::new();
     for (path, new_wal) in files {
         match File::open(path) {
-            Ok(file) => file.sync_data()?,
+            Ok(file) => {
+                file.sync_data()?;
+                crate::telemetry::fsynced();
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(e),
         }
@@ -327,6 +330,7 @@ fn sync_wal_files(files: &[(&Arc<Path>, bool)]) -> std::io::Result<()> {
     }
     for dir in dirs {
         File::open(dir)?.sync_all()?;
+        crate::telemetry::fsynced();
     }
     Ok(())
 }

@@ -786,8 +786,19 @@ impl<T: DurableObject> Stub<T> {
         // A call from an object's own code: if it must wait for room, the
         // caller stays busy meanwhile, which the live-object cap must know.
         let caller = executor::current_object();
-        let job: Job =
-            Box::new(move |e| e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard));
+        // The call's span on the object's thread is a child of the caller's
+        // span, so a trace follows a request into the object.
+        let span = tracing::info_span!(
+            parent: tracing::Span::current(),
+            "call",
+            object = %self.id,
+            namespace = %self.namespace,
+            name = %self.name,
+        );
+        let started = std::time::Instant::now();
+        let job: Job = Box::new(move |e| {
+            e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard, span)
+        });
         let core = Arc::clone(core);
         self.host
             .send(&self.id, job)
@@ -807,6 +818,7 @@ impl<T: DurableObject> Stub<T> {
                 message: reason.to_string(),
             });
         }
+        crate::telemetry::call_finished(&self.namespace, started.elapsed());
         result
     }
 }

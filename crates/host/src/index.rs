@@ -253,6 +253,9 @@ impl AlarmIndex {
                 .map_err(storage_error)?;
             guard.current = wanted;
         }
+        if wanted == Synchronous::Full {
+            crate::telemetry::fsynced();
+        }
         f(&guard.conn).map_err(storage_error)
     }
 

@@ -18,8 +18,11 @@ use std::path::Path;
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Serialize;
 
+use durability_platform::{ObjectId, Row, Sql, StorageError, Value};
+
 use crate::HostError;
-use crate::id::{is_object_id, objects_dir};
+use crate::error::storage_error;
+use crate::id::{is_object_id, object_path, objects_dir};
 use crate::storage::{ALARM_TABLE, META_TABLE};
 
 /// What one object file holds.
@@ -201,4 +204,46 @@ fn read_tables(conn: &Connection, summary: &mut ObjectSummary) -> rusqlite::Resu
         });
     }
     Ok(())
+}
+
+/// Runs `read` on a read-only view of object `id`'s file, for dashboards
+/// that show what a capability holds without constructing the object (the
+/// capabilities' own read queries take a [`Sql`]). Statements that write
+/// fail with a storage error. `None` when `id` is not an object id or the
+/// file does not exist.
+pub fn read_object<T>(
+    data_dir: &Path,
+    id: &str,
+    read: impl FnOnce(&dyn Sql) -> T,
+) -> Result<Option<T>, StorageError> {
+    if !is_object_id(id) {
+        return Ok(None);
+    }
+    let path = object_path(data_dir, &ObjectId::new(id));
+    if !path.exists() {
+        return Ok(None);
+    }
+    let conn = Connection::open_with_flags(
+        &path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(storage_error)?;
+    Ok(Some(read(&ReadOnly(conn))))
+}
+
+/// A read-only connection as the platform's [`Sql`].
+struct ReadOnly(Connection);
+
+impl Sql for ReadOnly {
+    fn execute(&self, sql: &str, params: &[Value]) -> Result<usize, StorageError> {
+        crate::storage::execute(&self.0, sql, params).map_err(storage_error)
+    }
+
+    fn query(&self, sql: &str, params: &[Value]) -> Result<Vec<Row>, StorageError> {
+        crate::storage::query(&self.0, sql, params).map_err(storage_error)
+    }
+
+    fn execute_script(&self, sql: &str) -> Result<(), StorageError> {
+        self.0.execute_batch(sql).map_err(storage_error)
+    }
 }

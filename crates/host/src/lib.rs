@@ -20,7 +20,7 @@
 //! object's database and alarm), `flush` (group commit and the output
 //! gates), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
-//! listing of a data directory).
+//! listing of a data directory), [`telemetry`] (metric names).
 //!
 //! [`Host`] opens with a runnable example: a namespace, a stub, a call.
 //!
@@ -43,6 +43,7 @@ mod index;
 pub mod inspect;
 mod residency;
 mod storage;
+pub mod telemetry;
 mod work;
 
 use std::future::Future;

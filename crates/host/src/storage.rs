@@ -80,6 +80,8 @@ pub(crate) struct ObjectStorage {
     hidden: Cell<bool>,
     /// Whether the alarm was set or deleted since the handler started.
     changed: Cell<bool>,
+    /// Whether a commit syncs the WAL (`synchronous=FULL`), for the metrics.
+    syncs_on_commit: bool,
     /// Group commit (`Synchronous::Batched`): numbers each commit.
     group: Option<Arc<GroupCommit>>,
     /// The object's WAL file, which the flusher syncs.
@@ -158,6 +160,7 @@ impl ObjectStorage {
             aborted: RefCell::new(None),
             hidden: Cell::new(false),
             changed: Cell::new(false),
+            syncs_on_commit: synchronous == Synchronous::Full,
             group,
             wal: Arc::from(Path::new(&wal)),
             committing,
@@ -443,6 +446,7 @@ impl ObjectStorage {
             self.rollback();
             return Err(error);
         }
+        crate::telemetry::committed(self.syncs_on_commit);
         if let Some(alarm) = pending {
             self.alarm_committed(alarm);
         }

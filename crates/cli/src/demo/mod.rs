@@ -70,6 +70,10 @@ pub struct DemoArgs {
     /// Print the summary as one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Serve the dashboard (and Prometheus `/metrics`) on ADDR while the
+    /// mail flows, and keep serving after the run until Ctrl-C.
+    #[arg(long, value_name = "ADDR")]
+    serve: Option<std::net::SocketAddr>,
     /// Test hook: stop producing after this many accepted batches and wait
     /// to be killed.
     #[arg(long, hide = true, value_name = "BATCHES")]
@@ -158,6 +162,11 @@ pub enum DemoError {
     },
     #[error("a demo task failed: {message}")]
     Task { message: String },
+    #[error("cannot serve the dashboard")]
+    Serve {
+        #[from]
+        source: crate::serve::ServeError,
+    },
     #[error("cannot listen for Ctrl-C")]
     Signal {
         #[source]
@@ -213,16 +222,54 @@ pub struct DemoOutput {
 
 async fn demo(args: &DemoArgs) -> Result<DemoOutput, DemoError> {
     let started = Instant::now();
+    // Installed before the host exists, so its first objects are counted.
+    let metrics = match args.serve {
+        Some(_) => Some(crate::serve::install_metrics()?),
+        None => None,
+    };
     // The host first: it takes the data directory's lock, so a second demo
     // on a busy directory fails here, before it reads or writes any run
     // file or says anything about resuming.
     let host = Host::builder(&args.data_dir)
         .shutdown_grace(SHUTDOWN_GRACE)
         .build()?;
+    let serving = match (args.serve, metrics) {
+        (Some(addr), Some(metrics)) => match serve_dashboard(&host, addr, metrics).await {
+            Ok(serving) => Some(serving),
+            Err(error) => {
+                host.shutdown().await;
+                return Err(error);
+            }
+        },
+        _ => None,
+    };
     let outcome = demo_on(args, &host, started).await;
     // Shut down after a failure too, so every file is closed cleanly.
     host.shutdown().await;
-    outcome
+    let Some(serving) = serving else {
+        return outcome;
+    };
+    let output = match outcome {
+        Ok(output) => output,
+        Err(error) => {
+            serving.stop().await?;
+            return Err(error);
+        }
+    };
+    // The page keeps showing the run's final state until the user is done.
+    println!("{}", output.text);
+    eprintln!(
+        "the run is over; the dashboard stays at http://{}/ until Ctrl-C",
+        serving.addr
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .map_err(|source| DemoError::Signal { source })?;
+    serving.stop().await?;
+    Ok(DemoOutput {
+        text: String::new(),
+        lost: output.lost,
+    })
 }
 
 async fn demo_on(args: &DemoArgs, host: &Host, started: Instant) -> Result<DemoOutput, DemoError> {
@@ -292,6 +339,25 @@ async fn demo_on(args: &DemoArgs, host: &Host, started: Instant) -> Result<DemoO
         text,
         lost: summary.loss().map(|loss| DemoError::Lost { loss }),
     })
+}
+
+/// Mounts the dashboard over the demo's host, with `/metrics`.
+async fn serve_dashboard(
+    host: &Host,
+    addr: std::net::SocketAddr,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<crate::serve::Serving, DemoError> {
+    let router = durability_axum::Dashboard::for_host(host)
+        .title("durability demo")
+        .prometheus(metrics)
+        .build()
+        .map_err(|source| crate::serve::ServeError::Dashboard { source })?;
+    let serving = crate::serve::Serving::start(addr, router).await?;
+    eprintln!(
+        "dashboard: http://{}/ (JSON at /api/objects, Prometheus at /metrics)",
+        serving.addr
+    );
+    Ok(serving)
 }
 
 impl Run {

@@ -328,6 +328,14 @@ where
         let outbound = self.routing.begin(Direction::Outbound);
         for state in states {
             let row = &state.claim.row;
+            tracing::debug!(
+                event = "durability.fanout.delivering",
+                id = %state.claim.message_id,
+                target = %row.target_id,
+                generation = %row.generation,
+                attempt = row.attempt,
+                "delivering"
+            );
             self.emit(|| LifecycleEvent::AttemptStarted {
                 entity: super::entity(&state.claim.message_id, &row.target_id, &row.generation),
                 timestamp: started_at,
@@ -335,7 +343,20 @@ where
             });
         }
         let timeout_ms = policy.attempt_timeout_ms;
-        let work = self.invoke(target, states);
+        // One span per handed-over batch: the ids (`<message>#<attempt>`,
+        // at most max_batch_size of them) a user follows an item by.
+        let span = tracing::info_span!(
+            "fanout_delivery",
+            object = %self.engine.ctx.id(),
+            target = %states.first().map_or("", |s| s.claim.row.target_id.as_str()),
+            messages = states.len(),
+            ids = %states
+                .iter()
+                .map(|s| format!("{}#{}", s.claim.message_id, s.claim.row.attempt))
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        let work = tracing::Instrument::instrument(self.invoke(target, states), span);
         let deadline = self.engine.ctx.sleep(Duration::from_millis(timeout_ms));
         futures::pin_mut!(work);
         let handover = match futures::future::select(work, deadline).await {
@@ -408,6 +429,24 @@ where
 
     fn message(self: &Rc<Self>, state: &Rc<SettleState>, body: B) -> FanoutMessage<B> {
         let row = &state.claim.row;
+        let trace_context = if self.trace.is_some() {
+            crate::trace::load(self.engine.sql(), DELIVERIES, &row.id, &row.generation)
+                .unwrap_or_else(|error| {
+                    tracing::warn!(%error, "trace context unreadable; delivered without it");
+                    None
+                })
+        } else {
+            None
+        };
+        if let Some(context) = &trace_context {
+            tracing::debug!(
+                event = "durability.fanout.producer",
+                id = %state.claim.message_id,
+                target = %row.target_id,
+                producer = %context,
+                "delivery of a traced message"
+            );
+        }
         FanoutMessage {
             id: state.claim.message_id.clone(),
             delivery_id: row.identity(),
@@ -416,6 +455,7 @@ where
             attempt: row.attempt,
             enqueued_at: state.claim.enqueued_at,
             memo: Memo::new(Rc::clone(&self.engine.ctx), DELIVERIES, row.attempt_ref()),
+            trace_context,
             state: Rc::clone(state),
             fanout: Rc::clone(self),
         }

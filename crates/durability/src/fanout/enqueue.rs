@@ -17,7 +17,7 @@ use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
 use super::error::{EnqueueRejection, FanoutError};
-use super::store::{self, Manifest};
+use super::store::{self, DELIVERIES, Manifest, json_pair};
 use super::{Fanout, Inner, entity};
 use crate::codec;
 use crate::lifecycle::LifecycleEvent;
@@ -370,6 +370,7 @@ where
         &self,
         prepare: impl FnOnce(&dyn Sql) -> Result<Vec<Entry>, RegisterError>,
     ) -> Result<Vec<Registered>, RegisterError> {
+        let trace_context = crate::trace::capture(self.trace.as_ref());
         self.transaction(|sql| {
             let mut registered = Vec::new();
             let first_seq = store::read_next_seq(sql)?;
@@ -412,6 +413,17 @@ where
                     _ => spans.push((Rc::clone(&entry.targets), seq, seq, due_at)),
                 }
                 for target in &entry.targets.ids {
+                    if let Some(context) = &trace_context {
+                        let delivery = json_pair(&manifest.key, target);
+                        crate::trace::store(
+                            sql,
+                            DELIVERIES,
+                            &delivery,
+                            &manifest.generation,
+                            created_at,
+                            context,
+                        )?;
+                    }
                     self.adjust_pending(1);
                     registered.push(Registered {
                         message_id: manifest.id.clone(),
@@ -451,7 +463,16 @@ where
             return;
         }
         let inner = Rc::clone(self);
-        self.engine.ctx.wait_until(Box::pin(async move {
+        // The first pass is linked to the producer's span, so a trace leads
+        // from the request that enqueued to the deliveries it caused.
+        let span = tracing::info_span!(
+            parent: None,
+            "fanout_after_enqueue",
+            object = %self.engine.ctx.id(),
+            deliveries = registered.len(),
+        );
+        span.follows_from(tracing::Span::current());
+        let task = async move {
             let result = match Rc::clone(&inner).run_due().await {
                 Ok(()) => inner
                     .engine
@@ -467,6 +488,9 @@ where
                     "background fanout pass failed"
                 );
             }
-        }));
+        };
+        self.engine
+            .ctx
+            .wait_until(Box::pin(tracing::Instrument::instrument(task, span)));
     }
 }

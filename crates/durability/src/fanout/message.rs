@@ -157,6 +157,9 @@ pub struct FanoutMessage<B> {
     /// Persists a step's result for this message and target, so a retried
     /// delivery reuses it; deleted when the delivery is settled for good.
     pub memo: Memo,
+    /// The producer's trace context captured at enqueue (see
+    /// [`crate::trace`]), to continue its trace; `None` without a capture.
+    pub trace_context: Option<String>,
     pub(crate) state: Rc<SettleState>,
     pub(crate) fanout: Rc<Inner<B>>,
 }

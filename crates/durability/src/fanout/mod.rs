@@ -231,6 +231,7 @@ use crate::migrations::{
 use crate::record::DurableTable;
 use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
 use crate::scheduler::{Engine, Participant, Scheduler};
+use crate::trace::TraceCapture;
 use batch::SettleState;
 use dispatch::Lanes;
 use flow::Gate;
@@ -267,6 +268,7 @@ pub struct FanoutBuilder<B> {
     routing: Option<Load>,
     hooks: Vec<LifecycleHook>,
     flow: Vec<(String, FlowControl)>,
+    trace: Option<TraceCapture>,
 }
 
 impl<B> FanoutBuilder<B>
@@ -372,6 +374,14 @@ where
         self
     }
 
+    /// Captures the producer's trace context when messages are accepted
+    /// (enqueue, redrive) and hands it to every delivery of them (see
+    /// [`crate::trace`]). Default: none.
+    pub fn trace_context(mut self, capture: TraceCapture) -> Self {
+        self.trace = Some(capture);
+        self
+    }
+
     /// Validates the options, migrates the schema and attaches to the
     /// scheduler (one fanout per scheduler).
     pub fn build(self) -> Result<Fanout<B>, FanoutConfigError> {
@@ -469,6 +479,7 @@ where
             deferred: RefCell::new(HashSet::new()),
             pending: Cell::new(None),
             gates: RefCell::new(gates),
+            trace: self.trace,
         });
         engine.register(&inner)?;
         Ok(Fanout { inner })
@@ -524,6 +535,7 @@ where
             routing: None,
             hooks: Vec::new(),
             flow: Vec::new(),
+            trace: None,
         }
     }
 
@@ -661,6 +673,8 @@ pub(crate) struct Inner<B> {
     /// The flow control of the targets that have limits (`flow`); a target
     /// without an entry is unlimited.
     gates: RefCell<HashMap<String, Gate>>,
+    /// Captures the producer's trace context at enqueue and redrive.
+    trace: Option<TraceCapture>,
 }
 
 impl<B> Inner<B> {
@@ -677,11 +691,10 @@ impl<B> Inner<B> {
         result
     }
 
-    /// Emits the event `event` builds, building it only when a hook listens.
+    /// Emits the event `event` builds. Built even when no hook listens:
+    /// the metrics (`crate::telemetry`) count every event.
     fn emit(&self, event: impl FnOnce() -> LifecycleEvent) {
-        if self.emitter.has_hooks() {
-            self.emitter.emit(&event());
-        }
+        self.emitter.emit(&event());
     }
 
     /// Changes the cached count inside a transaction body.

@@ -689,6 +689,7 @@ where
         if !removed {
             return Err(SettlementError::Stale { id: row.id.clone() });
         }
+        crate::telemetry::fanout_parked(&row.target_id);
         self.emit_terminal(claim, reason, error);
         Ok(())
     }

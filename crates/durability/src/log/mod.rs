@@ -908,6 +908,7 @@ where
             last_offset = offsets.last().copied(),
             "append committed"
         );
+        crate::telemetry::log_appended(offsets.len());
         Ok((Ok(offsets), pending))
     }
 
@@ -945,6 +946,7 @@ where
         let end = page.next_offset.saturating_add(page.lag);
         let records = decode_prefix(page.records)?;
         let next_offset = records.last().map_or(page.next_offset, |r| r.offset + 1);
+        crate::telemetry::log_read(records.len());
         Ok(LogPage {
             records,
             next_offset,
@@ -976,7 +978,7 @@ where
         require_consumer(consumer)?;
         require_offset("offset", offset)?;
         let now = self.inner.engine.now();
-        self.inner.engine.transaction_sync(|sql| {
+        let next_offset = self.inner.engine.transaction_sync(|sql| {
             let next_offset = store::seq(sql)?.next_offset;
             if offset > next_offset {
                 return Err(LogError::CommitBeyondEnd {
@@ -986,8 +988,10 @@ where
                 });
             }
             store::advance_cursor(sql, consumer, offset, now)?;
-            Ok(())
-        })
+            Ok(next_offset)
+        })?;
+        crate::telemetry::log_consumer_lag(consumer, next_offset - offset);
+        Ok(())
     }
 
     /// Every consumer's committed offset, by consumer name.
@@ -1003,7 +1007,9 @@ where
     /// record unreadable). Returns how many records left the hot table.
     /// Never runs by itself; call it from a named alarm.
     pub async fn trim(&self) -> Result<u64, LogError> {
-        retention::trim(&self.inner).await
+        let trimmed = retention::trim(&self.inner).await?;
+        crate::telemetry::log_trimmed(trimmed);
+        Ok(trimmed)
     }
 
     /// Forgets the cold segments that end below `offset`, the way an

@@ -183,12 +183,18 @@ impl Engine {
         self.track_active(spec.table.name, &spec.key);
         let (outcome_tx, outcome_rx) = oneshot::channel();
         let span = tracing::info_span!(
+            parent: None,
             "attempt",
             object = %self.ctx.id(),
             table = spec.table.name,
             key = %spec.key,
             generation = %spec.generation,
+            attempt = tracing::field::Empty,
+            producer = tracing::field::Empty,
         );
+        // Linked to what started it: the producer's span for an eager
+        // start (`Operations::start` inside a request), else the alarm run.
+        span.follows_from(tracing::Span::current());
         let engine = Rc::clone(self);
         let body = async move {
             let mut held = None;
@@ -272,6 +278,7 @@ impl Engine {
             Ok(None) => return (self.fail_exhausted(spec).await, None),
             Ok(Some(attempt)) => attempt,
         };
+        tracing::Span::current().record("attempt", attempt);
         let started_at = self.now();
         spec.emit(|entity| LifecycleEvent::AttemptStarted {
             entity,

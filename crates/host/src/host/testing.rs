@@ -122,6 +122,13 @@ impl<T: DurableObject> Stub<T> {
             f,
             tx,
             guard,
+            tracing::info_span!(
+                parent: tracing::Span::current(),
+                "call",
+                object = %self.id,
+                namespace = %self.namespace,
+                name = %self.name,
+            ),
         );
         let Ok(Reply { result, after }) = rx.await else {
             return Err(CallError::Aborted {
