@@ -177,12 +177,15 @@ pub struct ConsumerState {
 pub fn read(sql: &dyn Sql) -> Result<CapabilityState, StorageError> {
     let tables: Vec<String> = sql
         .query(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'durability\\_%' ESCAPE '\\'",
+            "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') \
+             AND name LIKE 'durability\\_%' ESCAPE '\\'",
             &[],
         )?
         .iter()
         .map(|row| row.get::<String>(0))
         .collect::<Result<_, _>>()?;
+    // Views count: since migration 0013, durability_fanout_deliveries is a
+    // view of the owed deliveries over the cursor layout.
     let has = |table: &str| tables.iter().any(|t| t == table);
     Ok(CapabilityState {
         fanout: if has("durability_fanout_deliveries") {
