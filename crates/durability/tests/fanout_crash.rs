@@ -27,7 +27,7 @@ use durability::fanout::{
 };
 use durability::retry::Delay;
 use durability::{HandlerError, Scheduler};
-use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Synchronous};
+use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Stub, Synchronous};
 
 const CHILD_DIR_ENV: &str = "DURABILITY_FANOUT_CRASH_DIR";
 const CHILD_CLOCK_ENV: &str = "DURABILITY_FANOUT_CRASH_CLOCK_MS";
@@ -260,24 +260,12 @@ async fn child_delivers_a_mailbox_until_killed() {
                 .await
                 .expect("call");
             }
-            loop {
-                let pending = stub
-                    .call(|mailbox: Rc<Mailbox>| async move {
-                        mailbox
-                            .fanout
-                            .load()
-                            .expect("load")
-                            .outbound
-                            .pending_deliveries
-                    })
-                    .await
-                    .expect("call");
-                if pending == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            println!("{DRAINED_MARK}");
+            report_when_drained(
+                &stub,
+                |mailbox: &Mailbox| &mailbox.fanout,
+                Duration::from_millis(50),
+            )
+            .await;
             host.shutdown().await;
         })
         .await;
@@ -373,24 +361,12 @@ async fn child_dead_letters_until_killed() {
                 .await
                 .expect("call");
             }
-            loop {
-                let pending = stub
-                    .call(|object: Rc<DeadLetters>| async move {
-                        object
-                            .fanout
-                            .load()
-                            .expect("load")
-                            .outbound
-                            .pending_deliveries
-                    })
-                    .await
-                    .expect("call");
-                if pending == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            println!("{DRAINED_MARK}");
+            report_when_drained(
+                &stub,
+                |object: &DeadLetters| &object.fanout,
+                Duration::from_millis(500),
+            )
+            .await;
             host.shutdown().await;
         })
         .await;
@@ -475,24 +451,12 @@ async fn child_delivers_a_batch_until_killed_before_its_cursor_moves() {
                 .await
                 .expect("call");
             }
-            loop {
-                let pending = stub
-                    .call(|object: Rc<CursorMailbox>| async move {
-                        object
-                            .fanout
-                            .load()
-                            .expect("load")
-                            .outbound
-                            .pending_deliveries
-                    })
-                    .await
-                    .expect("call");
-                if pending == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            println!("{DRAINED_MARK}");
+            report_when_drained(
+                &stub,
+                |object: &CursorMailbox| &object.fanout,
+                Duration::from_millis(500),
+            )
+            .await;
             host.shutdown().await;
         })
         .await;
@@ -965,4 +929,31 @@ fn a_paused_target_stays_paused_across_a_kill() {
     let first_held = lines.iter().position(|l| l.starts_with("D held")).unwrap();
     let last_live = lines.iter().rposition(|l| l.starts_with("D live")).unwrap();
     assert!(first_held > last_live, "{lines:?}");
+}
+
+/// Polls the object's pending deliveries until none is left, then tells the
+/// parent so on stdout ([`DRAINED_MARK`]). The child halves of the crash
+/// tests end this way.
+async fn report_when_drained<T: DurableObject>(
+    stub: &Stub<T>,
+    fanout: fn(&T) -> &Fanout<u64>,
+    poll: Duration,
+) {
+    loop {
+        let pending = stub
+            .call(move |object: Rc<T>| async move {
+                fanout(&object)
+                    .load()
+                    .expect("load")
+                    .outbound
+                    .pending_deliveries
+            })
+            .await
+            .expect("call");
+        if pending == 0 {
+            break;
+        }
+        tokio::time::sleep(poll).await;
+    }
+    println!("{DRAINED_MARK}");
 }
