@@ -475,6 +475,15 @@ pub enum DurabilityError {
 
     #[error("Completed durable call \"{id}\" has no result")]
     CompletedWithoutResult { id: String },
+    /// An alarm run changed nothing while work of these tables stayed due
+    /// (two runs in a row): a row the run can neither advance nor decode
+    /// as damaged, most likely. The scheduler treats it as a failed run:
+    /// it logs it, calls `on_alarm_retry`, and retries at the fallback pace
+    /// instead of re-running at once.
+    #[error(
+        "an alarm run made no progress while work of {tables:?} stayed due (a damaged row?); retrying at the fallback pace"
+    )]
+    NoProgress { tables: Vec<String> },
     /// A read (`Operations::result`, `Operations::wait`) named another
     /// operation than the one registered under `id`. Nothing was read.
     #[error(

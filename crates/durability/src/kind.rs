@@ -109,9 +109,9 @@ impl DurabilityError {
             DurabilityError::InvalidTimestamp { .. } => ErrorKind::InvalidInput,
             DurabilityError::DuplicateCall { .. } => ErrorKind::Conflict,
             DurabilityError::Codec(error) => error.kind(),
-            DurabilityError::Decode { .. } | DurabilityError::CompletedWithoutResult { .. } => {
-                ErrorKind::Corrupt
-            }
+            DurabilityError::Decode { .. }
+            | DurabilityError::CompletedWithoutResult { .. }
+            | DurabilityError::NoProgress { .. } => ErrorKind::Corrupt,
             DurabilityError::Migration(error) => error.kind(),
             DurabilityError::NotPersisted { .. } => ErrorKind::NotPersisted,
             DurabilityError::Interrupted => ErrorKind::Interrupted,

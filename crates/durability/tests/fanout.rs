@@ -3097,3 +3097,154 @@ async fn a_pass_that_keeps_failing_on_damaged_rows_retries_at_the_fallback_pace(
     })
     .await;
 }
+
+/// The object's context, counting the sleeps the scheduler asks for: a run
+/// that re-arms its timer at once, forever, asks for sleeps without the
+/// (paused) clock ever moving.
+struct CountingSleeps {
+    inner: Rc<dyn Context>,
+    sleeps: Rc<Cell<u64>>,
+    /// Notified at the 20,000th sleep.
+    runaway: Rc<tokio::sync::Notify>,
+}
+
+impl Context for CountingSleeps {
+    fn id(&self) -> &durability::platform::ObjectId {
+        self.inner.id()
+    }
+    fn storage(&self) -> &dyn durability::platform::Storage {
+        self.inner.storage()
+    }
+    fn now_ms(&self) -> i64 {
+        self.inner.now_ms()
+    }
+    fn sleep(&self, duration: Duration) -> durability::platform::LocalBoxFuture<'static, ()> {
+        self.sleeps.set(self.sleeps.get() + 1);
+        if self.sleeps.get() == 20_000 {
+            self.runaway.notify_one();
+        }
+        self.inner.sleep(duration)
+    }
+    fn random_bytes(&self, buf: &mut [u8]) {
+        self.inner.random_bytes(buf);
+    }
+    fn spawn(&self, task: durability::platform::LocalBoxFuture<'static, ()>) {
+        self.inner.spawn(task);
+    }
+    fn wait_until(&self, task: durability::platform::LocalBoxFuture<'static, ()>) {
+        self.inner.wait_until(task);
+    }
+}
+
+/// Drives `scheduler` for 1,365 virtual seconds (six direct runs with
+/// growing sleeps between) and returns what `on_alarm_retry` was told;
+/// panics on a hot loop (20,000 sleeps asked for).
+async fn drive_and_report(
+    h: &Harness,
+    build: impl FnOnce(Rc<dyn Context>, durability::scheduler::AlarmRetryHook) -> Scheduler,
+    damage: impl AsyncFnOnce(&Scheduler, &dyn Context),
+) -> Vec<String> {
+    let sleeps = Rc::new(Cell::new(0u64));
+    let runaway = Rc::new(tokio::sync::Notify::new());
+    let ctx: Rc<dyn Context> = Rc::new(CountingSleeps {
+        inner: h.context(),
+        sleeps: Rc::clone(&sleeps),
+        runaway: Rc::clone(&runaway),
+    });
+    let reports = Rc::new(RefCell::new(Vec::<String>::new()));
+    let report = {
+        let reports = Rc::clone(&reports);
+        Rc::new(move |info: &durability::AlarmRetryInfo| {
+            reports.borrow_mut().push(info.error.message.clone());
+            None
+        })
+    };
+    let scheduler = build(Rc::clone(&ctx), report);
+    h.install(&scheduler);
+    damage(&scheduler, ctx.as_ref()).await;
+    let drive = async {
+        for round in 0..6u32 {
+            let _ = scheduler.alarm(None).await;
+            tokio::time::sleep(Duration::from_secs(4u64.pow(round))).await;
+        }
+    };
+    tokio::select! {
+        () = runaway.notified() => panic!(
+            "{} sleeps asked for without the work advancing: a hot loop",
+            sleeps.get()
+        ),
+        () = drive => {}
+    }
+    let reports = reports.borrow().clone();
+    // Six direct runs, then about two runs per 15 s fallback (the one that
+    // notes the count, the one that finds it unchanged).
+    assert!(reports.len() >= 2, "the damage is reported: {reports:?}");
+    assert!(
+        reports.len() <= 6 + 2 * (1_365 / 15) + 10,
+        "{} reports",
+        reports.len()
+    );
+    reports
+}
+
+/// Found by the fuzzer (`malformed-rows`, seed 5 case 1679: a cursor moved
+/// past every span it owes; seed 77 case 782 and seed 5 case 2827: a
+/// `claim_attempt` of the wrong type): the pass claimed nothing and
+/// returned `Ok`, while the reconcile still saw the span due, so each run
+/// re-armed the timer at once, a hot loop. The cursor now fails to decode,
+/// naming itself, and the run retries at the fallback pace.
+#[tokio::test(start_paused = true)]
+async fn a_damaged_cursor_fails_its_pass_by_name_and_retries_at_the_fallback_pace() {
+    for (column, value) in [
+        ("next_seq", durability::platform::Value::Integer(i64::MAX)),
+        (
+            "claim_attempt",
+            durability::platform::Value::Text(String::new()),
+        ),
+        (
+            "claim_attempt",
+            durability::platform::Value::Blob(vec![0, 159]),
+        ),
+        ("claim_attempt", durability::platform::Value::Integer(-3)),
+    ] {
+        support::on_harness(move |h| async move {
+            let keep = Rc::new(RefCell::new(None));
+            let reports = drive_and_report(
+                &h,
+                |ctx, report| {
+                    Scheduler::builder(ctx)
+                        .on_alarm_retry(report)
+                        .build()
+                        .unwrap()
+                },
+                async |scheduler, ctx| {
+                    let target =
+                        Target::consumer(|_batch: Vec<FanoutMessage<serde_json::Value>>| async {
+                            Ok::<_, HandlerError>(())
+                        })
+                        .ack_on_return(true);
+                    let fanout = Fanout::<serde_json::Value>::builder(scheduler)
+                        .target("inbox", target)
+                        .build()
+                        .unwrap();
+                    let input = FanoutInput::new(serde_json::json!({"n": 1})).id("m-1");
+                    accepted(fanout.enqueue(vec![input], &EnqueueOptions::all()).await);
+                    ctx.storage()
+                        .execute(
+                            &format!("UPDATE durability_fanout_cursors SET {column} = ?"),
+                            &[value],
+                        )
+                        .unwrap();
+                    *keep.borrow_mut() = Some(fanout);
+                },
+            )
+            .await;
+            assert!(
+                reports.iter().all(|message| message
+                    .contains("\"inbox\" of durability_fanout_cursors does not decode")),
+                "{column}: each report names the damaged cursor: {reports:?}"
+            );
+        })
+        .await;
+    }
+}

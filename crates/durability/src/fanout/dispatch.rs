@@ -172,6 +172,18 @@ where
                     None if cursor.paused_until > now => {}
                     None => {
                         let spans = store::first_spans(sql, target_id, SPANS_PER_PASS)?;
+                        // A cursor always deletes the spans it passes, so a
+                        // span wholly behind it means a damaged cursor row:
+                        // its messages would be skipped without a word.
+                        if let Some(behind) =
+                            spans.iter().find(|span| span.last_seq < cursor.next_seq)
+                        {
+                            return Err(store::cursor_past_span(
+                                target_id,
+                                cursor.next_seq,
+                                behind,
+                            ));
+                        }
                         let due: Vec<_> = spans
                             .iter()
                             .take_while(|span| span.due_at <= now)

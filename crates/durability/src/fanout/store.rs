@@ -208,6 +208,19 @@ fn limit_param(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(-1)
 }
 
+/// The error of a cursor that stands past a span its target still owes
+/// (only a damaged row does): it names the cursor, so it can be found.
+pub(crate) fn cursor_past_span(target: &str, next_seq: i64, span: &Span) -> FanoutError {
+    decode_error(
+        CURSORS_TABLE,
+        target,
+        format!(
+            "next_seq {next_seq} is past the span {}..={} the target still owes",
+            span.first_seq, span.last_seq
+        ),
+    )
+}
+
 fn decode_error(table: &'static str, key: &str, detail: impl ToString) -> FanoutError {
     FanoutError::Durability(DurabilityError::Decode {
         table,
@@ -403,14 +416,25 @@ pub(crate) fn read_cursor(sql: &dyn Sql, target: &str) -> Result<Option<Cursor>,
     let decoded = (|| -> Result<Cursor, StorageError> {
         let end: Option<i64> = row.get(1)?;
         let deadline: Option<EpochMs> = row.get(3)?;
+        // Decoded with or without a claim: the claim's compare-and-set
+        // matches on it, so a damaged value would never match (a pass that
+        // changes nothing, again and again) instead of failing here.
+        let attempt: u32 = row.get(2)?;
         Ok(Cursor {
             next_seq: row.get(0)?,
             claim: match end {
                 Some(end) => Some(CursorClaim {
                     end,
-                    attempt: row.get(2)?,
+                    attempt,
                     deadline: deadline.unwrap_or(0),
                 }),
+                None if attempt != 0 => {
+                    return Err(StorageError::Decode {
+                        column: "claim_attempt".into(),
+                        expected: "0 when the cursor has no claim",
+                        found: attempt.to_string(),
+                    });
+                }
                 None => None,
             },
             paused_until: row.get(4)?,

@@ -190,6 +190,8 @@ impl SchedulerBuilder {
             refresh: RefCell::new(None),
             early: RefCell::new(None),
             failed_until: Cell::new(None),
+            wanted_at: Cell::new(None),
+            alarm_changes: Cell::new(0),
             in_run: Cell::new(0),
             next_id: Cell::new(0),
             watchers: RefCell::new(HashMap::new()),
@@ -369,13 +371,20 @@ pub(crate) struct Engine {
     permits: Arc<Semaphore>,
     refresh: RefCell<Option<Refresh>>,
     early: RefCell<Option<EarlyTimer>>,
-    /// Set when a run failed: until a run succeeds, the commits *of a run*
+    /// Set when a run failed or stalled (see [`Engine::stalled`]): until a
+    /// run succeeds with progress, the commits *of a run*
     /// arm the in-memory timer no earlier than the fallback alarm.
     /// Otherwise a pass that fails on a row it cannot advance (a damaged
     /// row) while its own commits re-arm the timer for that still-due row
     /// loops at full speed. New work registered meanwhile still arms it at
     /// once.
     failed_until: Cell<Option<EpochMs>>,
+    /// The earliest time the last reconcile wanted the timer at, before
+    /// the failed-run clamp: whether work is still due at once.
+    wanted_at: Cell<Option<EpochMs>>,
+    /// Rows the scheduler's own alarm writes changed (see
+    /// [`Engine::write_alarm`]).
+    alarm_changes: Cell<i64>,
     /// Alarm runs in progress.
     in_run: Cell<u32>,
     next_id: Cell<u64>,
@@ -625,7 +634,7 @@ impl Engine {
         let current = txn.get_alarm()?;
         let Some(earliest) = physical_at else {
             if current.is_some() {
-                txn.delete_alarm()?;
+                self.write_alarm(txn, None)?;
             }
             return Ok(None);
         };
@@ -634,13 +643,40 @@ impl Engine {
         // reconciles cannot keep pushing it later.
         match current {
             Some(at) if at >= earliest && at <= target => {}
-            _ => txn.set_alarm(target)?,
+            _ => self.write_alarm(txn, Some(target))?,
         }
         Ok(timer_at)
     }
 
+    /// Sets or deletes the physical alarm inside a transaction, counting the
+    /// rows that costs where the platform keeps the alarm in SQL: the
+    /// stall guard ([`Engine::stalled`]) must not take re-arming the alarm
+    /// for progress (a reconcile during a pass may delete it, the pass's
+    /// deferred one set it again, on every run of a stalled loop).
+    fn write_alarm(&self, txn: &dyn Transaction, at: Option<EpochMs>) -> Result<(), StorageError> {
+        let before = self.total_changes();
+        match at {
+            Some(at) => txn.set_alarm(at)?,
+            None => txn.delete_alarm()?,
+        }
+        self.count_alarm_changes(before);
+        Ok(())
+    }
+
+    /// Adds the rows changed since `before` to the alarm's own writes.
+    fn count_alarm_changes(&self, before: Option<i64>) {
+        if let (Some(before), Some(after)) = (before, self.total_changes()) {
+            self.alarm_changes.set(
+                self.alarm_changes
+                    .get()
+                    .wrapping_add(after.wrapping_sub(before)),
+            );
+        }
+    }
+
     /// Arms (or cancels) the in-memory timer. Called only after a commit.
     fn schedule_early_alarm(self: &Rc<Self>, at: Option<EpochMs>) {
+        self.wanted_at.set(at);
         let mut early = self.early.borrow_mut();
         if early.as_ref().map(|timer| timer.at) == at {
             return;
@@ -750,10 +786,13 @@ impl Engine {
         info: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
         self.in_run.set(self.in_run.get() + 1);
-        let ran = self.run_alarm(info).await;
+        let changes_before = self.progress_count();
+        let ran = match self.run_alarm(info).await {
+            Ok(()) => self.stalled(changes_before).map_or(Ok(()), Err),
+            Err(error) => Err(error),
+        };
         self.in_run.set(self.in_run.get().saturating_sub(1));
         let Err(error) = ran else {
-            self.failed_until.set(None);
             return Ok(());
         };
         let fallback_at = self.now().saturating_add(self.alarm_min_delay_ms);
@@ -763,9 +802,11 @@ impl Engine {
         {
             timer.abort.abort();
         }
+        let before = self.total_changes();
         if self.ctx.storage().set_alarm(fallback_at).await.is_err() {
             return Err(error);
         }
+        self.count_alarm_changes(before);
         tracing::error!(
             event = "durability.alarm.failed",
             retry_in_ms = self.alarm_min_delay_ms,
@@ -774,6 +815,55 @@ impl Engine {
         );
         self.notify_alarm_retry(&error, info);
         Ok(())
+    }
+
+    /// The guard against a run that changes nothing while its work stays
+    /// due. A pass that returns `Ok` without advancing a damaged row (a
+    /// compare-and-set that never matches, a row outside every query's
+    /// range) leaves that row due, and the run's own reconcile re-arms the
+    /// timer at once: a hot loop no failing-run check catches. So a
+    /// successful run that leaves work due at once while the connection's
+    /// `total_changes()` did not move from its start to its end (no claim,
+    /// no settlement, no new work; the alarm's own writes not counted)
+    /// counts as failed with [`DurabilityError::NoProgress`]: logged,
+    /// reported to `on_alarm_retry`, retried at the fallback pace. A run
+    /// that finds nothing due at once or moved the count lifts the pace.
+    /// A backlog that drains writes on every run and is never slowed.
+    /// Where the count cannot be read (a platform refusing the function),
+    /// the guard is off.
+    fn stalled(&self, changes_before: Option<i64>) -> Option<DurabilityError> {
+        let now = self.now();
+        let due_at_once = self.wanted_at.get().is_some_and(|at| at <= now);
+        if !due_at_once || changes_before.is_none() || self.progress_count() != changes_before {
+            self.failed_until.set(None);
+            return None;
+        }
+        let tables = self
+            .live_participants()
+            .iter()
+            .filter(|participant| {
+                self.pending_times(participant.as_ref(), self.sql())
+                    .is_ok_and(|(_, timer)| timer.is_some_and(|at| at <= now))
+            })
+            .map(|participant| participant.table().name.to_owned())
+            .collect();
+        Some(DurabilityError::NoProgress { tables })
+    }
+
+    /// Rows changed on the object's connection so far, when readable.
+    fn total_changes(&self) -> Option<i64> {
+        self.sql()
+            .query_row("SELECT total_changes()", &[])
+            .ok()
+            .flatten()
+            .and_then(|row| row.get::<i64>(0).ok())
+    }
+
+    /// Rows changed on the object's connection so far, but those of the
+    /// reconciles' alarm writes: what the stall guard counts as progress.
+    fn progress_count(&self) -> Option<i64> {
+        self.total_changes()
+            .map(|changes| changes.wrapping_sub(self.alarm_changes.get()))
     }
 
     fn notify_alarm_retry(&self, failure: &DurabilityError, invocation: Option<AlarmInfo>) {
@@ -849,7 +939,7 @@ impl Engine {
             .transaction(|txn: &dyn Transaction| {
                 match txn.get_alarm()? {
                     Some(current) if current <= target => {}
-                    _ => txn.set_alarm(target)?,
+                    _ => self.write_alarm(txn, Some(target))?,
                 }
                 Ok::<_, StorageError>(())
             })
@@ -970,5 +1060,142 @@ fn min_time(a: Option<EpochMs>, b: Option<EpochMs>) -> Option<EpochMs> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, None) => a,
         (None, b) => b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    use std::time::Duration;
+
+    use durability_host::{DurableObject, Host, ObjectContext};
+
+    use super::*;
+
+    /// An object whose alarm runs its scheduler.
+    struct Plain {
+        ctx: ObjectContext,
+        scheduler: RefCell<Option<Scheduler>>,
+    }
+
+    impl DurableObject for Plain {
+        async fn alarm(&self, info: AlarmInfo) -> Result<(), durability_host::BoxError> {
+            let scheduler = self.scheduler.borrow().clone();
+            match scheduler {
+                Some(scheduler) => Ok(scheduler.alarm(Some(info)).await?),
+                None => Ok(()),
+            }
+        }
+    }
+
+    /// A participant whose work is always due and whose pass changes
+    /// nothing and returns `Ok`: what a damaged row no query of its pass
+    /// matches looks like to the scheduler.
+    struct AlwaysDue {
+        passes: Cell<u64>,
+        runaway: tokio::sync::Notify,
+    }
+
+    impl Participant for AlwaysDue {
+        fn table(&self) -> DurableTable {
+            DurableTable {
+                name: "always_due",
+                key: "id",
+            }
+        }
+
+        fn run_due(
+            self: Rc<Self>,
+            _now: EpochMs,
+            _info: Option<AlarmInfo>,
+        ) -> LocalBoxFuture<'static, Result<(), DurabilityError>> {
+            self.passes.set(self.passes.get() + 1);
+            if self.passes.get() == 10_000 {
+                self.runaway.notify_one();
+            }
+            Box::pin(async { Ok(()) })
+        }
+
+        fn custom_next_pending_at(
+            &self,
+            _sql: &dyn Sql,
+        ) -> Option<Result<Option<EpochMs>, StorageError>> {
+            Some(Ok(Some(0)))
+        }
+    }
+
+    /// Without the stall guard each such run re-armed the timer at once:
+    /// 10,000 passes without the (paused) clock moving. With it, a run
+    /// that changes nothing while its work stays due fails with
+    /// `NoProgress` naming the table, and the next comes at the fallback
+    /// pace: about two runs per 15 s (the physical alarm's and the
+    /// timer's).
+    #[tokio::test(start_paused = true)]
+    async fn a_run_that_changes_nothing_while_its_work_stays_due_backs_off_to_the_fallback_pace() {
+        let (passes, reports) = tokio::task::LocalSet::new()
+            .run_until(async {
+                let dir = tempfile::tempdir().unwrap();
+                let host = Host::builder(dir.path())
+                    .threads(0)
+                    .clock_start_ms(1_000_000)
+                    .build()
+                    .unwrap();
+                let objects = host
+                    .namespace("stall", |ctx| {
+                        Ok(Plain {
+                            ctx,
+                            scheduler: RefCell::new(None),
+                        })
+                    })
+                    .unwrap();
+                let result = objects
+                    .stub("o")
+                    .unwrap()
+                    .call(|object: Rc<Plain>| async move {
+                        let reports = Rc::new(RefCell::new(Vec::<String>::new()));
+                        let hook: AlarmRetryHook = {
+                            let reports = Rc::clone(&reports);
+                            Rc::new(move |info: &AlarmRetryInfo| {
+                                reports.borrow_mut().push(info.error.message.clone());
+                                None
+                            })
+                        };
+                        let scheduler = Scheduler::builder(object.ctx.clone().into_dyn())
+                            .on_alarm_retry(hook)
+                            .build()
+                            .unwrap();
+                        let participant = Rc::new(AlwaysDue {
+                            passes: Cell::new(0),
+                            runaway: tokio::sync::Notify::new(),
+                        });
+                        scheduler.engine.register(&participant).unwrap();
+                        *object.scheduler.borrow_mut() = Some(scheduler.clone());
+                        let drive = async {
+                            let _ = scheduler.alarm(None).await;
+                            tokio::time::sleep(Duration::from_secs(150)).await;
+                        };
+                        tokio::select! {
+                            () = participant.runaway.notified() => {}
+                            () = drive => {}
+                        }
+                        let reports = reports.borrow().clone();
+                        (participant.passes.get(), reports)
+                    })
+                    .await
+                    .unwrap();
+                host.shutdown().await;
+                result
+            })
+            .await;
+        assert!(passes < 10_000, "{passes} passes in 150 s: a hot loop");
+        assert!(passes <= 2 * 150 / 15 + 4, "{passes} passes in 150 s");
+        assert!(reports.len() >= 2, "{reports:?}");
+        assert!(
+            reports
+                .iter()
+                .all(|message| message.contains("no progress") && message.contains("always_due")),
+            "{reports:?}"
+        );
     }
 }
