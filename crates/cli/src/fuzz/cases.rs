@@ -25,6 +25,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use durability::fanout::{EnqueueOptions, EnqueueResult, FanoutInput, FanoutMessage, Target};
@@ -42,6 +43,11 @@ use durability_host::ObjectContext;
 use serde_json::{Value, json};
 
 use super::inputs::{Fx, drop_flat, fingerprint, shown_str};
+
+/// Handler calls of every case so far (operations, named alarms, fanout
+/// targets): the child's retry-storm watch reads it (see
+/// `child::storm_watch`).
+pub static ATTEMPTS: AtomicU64 = AtomicU64::new(0);
 
 /// What every case may advance virtual time by while it waits for its
 /// accepted work to end.
@@ -506,6 +512,7 @@ impl Cx {
                         .tries
                         .entry(message.message_id.clone())
                         .or_default() += 1;
+                    ATTEMPTS.fetch_add(1, Ordering::Relaxed);
                     if archive_fails && message.attempts < 2 {
                         return Err(HandlerError::new("archive write failed"));
                     }
@@ -612,6 +619,13 @@ impl Cx {
                 .note(format!("enqueue -> {}", short_enqueue(&enqueued)));
             match enqueued {
                 Ok(EnqueueResult::Accepted { value, .. }) => {
+                    // A reused id may name a new message (its first one
+                    // ended): its tries start again, or the tries of the
+                    // old one would count it as visibly retrying at once
+                    // (seed 11, case 590819).
+                    for id in &value {
+                        seen.borrow_mut().tries.remove(id);
+                    }
                     accepted.extend(value.into_iter().map(|id| (id, frozen.clone())));
                     self.fanout_ends(&fanout, &seen, &accepted).await?;
                 }
@@ -1173,6 +1187,7 @@ const BEHAVIOURS: [&str; 6] = [
 
 /// A handler doing what behaviour `mode` says.
 async fn behave(mode: usize, attempt: u32, ok: Value) -> Result<Value, HandlerError> {
+    ATTEMPTS.fetch_add(1, Ordering::Relaxed);
     match mode {
         0 => Ok(ok),
         1 if attempt < 2 => Err(HandlerError::new("transient failure")),
@@ -1209,6 +1224,7 @@ async fn consume(
     batch: Vec<FanoutMessage<Value>>,
     seen: &RefCell<Ends>,
 ) -> Result<(), HandlerError> {
+    ATTEMPTS.fetch_add(1, Ordering::Relaxed);
     for message in &batch {
         *seen
             .borrow_mut()

@@ -34,7 +34,16 @@ pub struct ChildArgs {
     trace: bool,
     #[arg(long)]
     inject: Option<String>,
+    /// A case still running after this many real milliseconds while its
+    /// handlers keep being called is a retry storm its options asked for:
+    /// it ends there and passes (see the module docs of `fuzz`).
+    #[arg(long, default_value_t = 30_000)]
+    storm_after_ms: u64,
 }
+
+/// Handler calls a case must make after its real-time budget to count as
+/// a retry storm rather than a hang.
+const STORM_ATTEMPTS: u64 = 1_000;
 
 /// A failed case as the child reports it.
 #[derive(Debug, Serialize, Deserialize)]
@@ -117,6 +126,19 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
         .start_paused(true)
         .build()
         .map_err(|e| setup(e.to_string()))?;
+    // Wakes the storm watch of the running case four times a second of
+    // real time (paused virtual time does not move during a storm).
+    let tick = Arc::new(tokio::sync::Notify::new());
+    {
+        let tick = Arc::clone(&tick);
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(250));
+                tick.notify_one();
+            }
+        });
+    }
+    let storm_after = Duration::from_millis(args.storm_after_ms);
     let local = tokio::task::LocalSet::new();
     local.block_on(&runtime, async {
         let host = Host::builder(&args.data_dir)
@@ -137,7 +159,14 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
             .map_err(|e| setup(e.to_string()))?;
         for case in args.from..args.to {
             let injected = inject.and_then(|(at, kind)| (at == case).then_some(kind));
-            run_case(&host, &objects, args.seed, case, args.trace, injected).await;
+            let storm = Storm {
+                after: storm_after,
+                tick: Arc::clone(&tick),
+            };
+            run_case(
+                &host, &objects, args.seed, case, args.trace, injected, storm,
+            )
+            .await;
         }
         host.shutdown().await;
         Ok::<(), FuzzError>(())
@@ -151,6 +180,42 @@ fn emit(line: &str) {
     let _ = out.flush();
 }
 
+/// The real-time budget after which a case whose handlers keep being
+/// called ends as a retry storm, and the wake-ups that check it.
+struct Storm {
+    after: Duration,
+    tick: Arc<tokio::sync::Notify>,
+}
+
+/// Resolves when the case has run `storm.after` of real time and its
+/// handlers were called at least [`STORM_ATTEMPTS`] times meanwhile: a
+/// retry storm (for example 2e9 attempts 0 ms apart), which on paused time
+/// never lets virtual time move, so the case's own waits never end. Its
+/// attempts are its progress; it never resolves for a case that makes
+/// none, which the supervisor then reports as a hang.
+async fn storm_watch(storm: Storm, steps: Arc<Mutex<Vec<String>>>) {
+    let started = std::time::Instant::now();
+    let attempts_at_start = cases::ATTEMPTS.load(std::sync::atomic::Ordering::Relaxed);
+    loop {
+        storm.tick.notified().await;
+        if started.elapsed() < storm.after {
+            continue;
+        }
+        let attempts = cases::ATTEMPTS
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(attempts_at_start);
+        if attempts >= STORM_ATTEMPTS {
+            if let Ok(mut steps) = steps.lock() {
+                steps.push(format!(
+                    "retry storm: {attempts} handler calls in {:.1} s of real time; ended by the storm budget",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+            return;
+        }
+    }
+}
+
 async fn run_case(
     host: &Host,
     objects: &Namespace<FuzzObject>,
@@ -158,6 +223,7 @@ async fn run_case(
     case: u64,
     trace: bool,
     inject: Option<Inject>,
+    storm: Storm,
 ) {
     let mut fx = Fx::new(seed, case, trace);
     let kind = fx.below(KINDS.len());
@@ -165,6 +231,7 @@ async fn run_case(
     emit(&format!("B {case} {kind_name}"));
     fx.note(format!("case kind: {kind_name}"));
     let steps: Arc<Mutex<Vec<String>>> = fx.shared_trace();
+    let storm_steps = Arc::clone(&steps);
     match inject {
         Some(Inject::Abort) => std::process::abort(),
         Some(Inject::Hang) => loop {
@@ -179,7 +246,10 @@ async fn run_case(
                     if inject == Some(Inject::Panic) {
                         panic!("injected panic (--inject)");
                     }
-                    let verdict = cases::run(Rc::clone(&o.stage), kind, fx).await;
+                    let verdict = tokio::select! {
+                        verdict = cases::run(Rc::clone(&o.stage), kind, fx) => verdict,
+                        () = storm_watch(storm, storm_steps) => Ok(()),
+                    };
                     // The case is over: its alarms and timers go with it.
                     o.stage.scheduler.borrow_mut().take();
                     let _ = durability::platform::Context::storage(&o.stage.ctx)

@@ -16,6 +16,19 @@
 //!
 //! Case `i` of seed `S` draws its inputs from a generator seeded by
 //! `(S, i)` only: `--seed S --from i --cases 1` runs it again alone.
+//!
+//! **Retry storms are not hangs.** Options a user may set (a retry delay
+//! of 0 ms with 2e9 attempts, a handler that always fails) ask for a storm
+//! of attempts, each committed (attempt count, stored error): the work is
+//! visibly retrying, and other calls of the object still interleave. On
+//! paused time such a storm never lets virtual time move, so the case's
+//! own waits would never end. The child therefore counts every handler
+//! call; a case still running after half the hang timeout of real time
+//! whose handlers were called at least 1,000 times since it began ends
+//! there and passes, with a `retry storm` line in its trace. A case that
+//! makes no attempts for the whole hang timeout is still a hang (a hot
+//! loop that commits nothing, like the damaged rows the scheduler's stall
+//! guard now backs off from).
 
 mod cases;
 mod child;
@@ -331,6 +344,10 @@ fn supervise(
         .args(["--to", &end.to_string()])
         .arg("--data-dir")
         .arg(dir)
+        .args([
+            "--storm-after-ms",
+            &(hang.as_millis() / 2).max(1).to_string(),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
