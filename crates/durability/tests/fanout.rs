@@ -3195,17 +3195,18 @@ async fn drive_and_report(
 /// naming itself, and the run retries at the fallback pace.
 #[tokio::test(start_paused = true)]
 async fn a_damaged_cursor_fails_its_pass_by_name_and_retries_at_the_fallback_pace() {
-    for (column, value) in [
-        ("next_seq", durability::platform::Value::Integer(i64::MAX)),
-        (
-            "claim_attempt",
-            durability::platform::Value::Text(String::new()),
-        ),
-        (
-            "claim_attempt",
-            durability::platform::Value::Blob(vec![0, 159]),
-        ),
-        ("claim_attempt", durability::platform::Value::Integer(-3)),
+    use durability::platform::Value;
+    for (table, column, value) in [
+        ("cursors", "next_seq", Value::Integer(i64::MAX)),
+        ("cursors", "claim_attempt", Value::Text(String::new())),
+        ("cursors", "claim_attempt", Value::Blob(vec![0, 159])),
+        ("cursors", "claim_attempt", Value::Integer(-3)),
+        // A claim that ends before the cursor (taking it again would move
+        // the cursor back), and a span ending at i64::MAX (seed 11, cases
+        // 5126 and 19228: its end wrapped around and the message was
+        // delivered again and again).
+        ("cursors", "claim_end", Value::Integer(-5)),
+        ("spans", "last_seq", Value::Integer(i64::MAX)),
     ] {
         support::on_harness(move |h| async move {
             let keep = Rc::new(RefCell::new(None));
@@ -3231,7 +3232,7 @@ async fn a_damaged_cursor_fails_its_pass_by_name_and_retries_at_the_fallback_pac
                     accepted(fanout.enqueue(vec![input], &EnqueueOptions::all()).await);
                     ctx.storage()
                         .execute(
-                            &format!("UPDATE durability_fanout_cursors SET {column} = ?"),
+                            &format!("UPDATE durability_fanout_{table} SET {column} = ?"),
                             &[value],
                         )
                         .unwrap();
@@ -3242,7 +3243,7 @@ async fn a_damaged_cursor_fails_its_pass_by_name_and_retries_at_the_fallback_pac
             assert!(
                 reports.iter().all(|message| message
                     .contains("\"inbox\" of durability_fanout_cursors does not decode")),
-                "{column}: each report names the damaged cursor: {reports:?}"
+                "{table}.{column}: each report names the damaged cursor: {reports:?}"
             );
         })
         .await;

@@ -773,6 +773,15 @@ async fn invalid_scheduler_options_are_typed_errors() {
             .alarm_handoff(Duration::ZERO)
             .build();
         assert!(matches!(zero_handoff, Err(ConfigError::NotPositive { .. })));
+        // Issue 10 defect 6: 1.5 ms used to build as 1 ms (fuzz seed 11,
+        // cases 590819 and 19113).
+        let fractional_handoff = Scheduler::builder(Rc::clone(&ctx))
+            .alarm_handoff(Duration::from_micros(1_500))
+            .build();
+        assert!(
+            matches!(&fractional_handoff, Err(ConfigError::NotWholeMilliseconds { field, .. }) if field == "alarm_handoff"),
+            "{fractional_handoff:?}"
+        );
         // Two helpers of one kind on one scheduler would share a table.
         let scheduler = Scheduler::new(Rc::clone(&ctx)).unwrap();
         let first = Alarms::builder(&scheduler).build().unwrap();

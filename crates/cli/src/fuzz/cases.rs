@@ -107,6 +107,36 @@ struct Cx {
     malformed: bool,
 }
 
+/// Builds every capability with its defaults on `stage`, so its file
+/// holds every table at its latest migration: the child copies that file
+/// as the starting point of most cases (see `child::Template`).
+pub async fn migrate_everything(stage: Rc<Stage>) -> Result<(), Failed> {
+    let ctx = stage.ctx.clone().into_dyn();
+    let scheduler = Scheduler::new(Rc::clone(&ctx)).map_err(|e| e.to_string())?;
+    Operations::builder(&scheduler)
+        .handler("echo", |call: DurableCall<Value>| async move {
+            Ok::<_, HandlerError>(call.payload)
+        })
+        .build()
+        .map_err(|e| e.to_string())?;
+    Alarms::builder(&scheduler)
+        .handler("tick", |_call| async { Ok::<_, HandlerError>(()) })
+        .build()
+        .map_err(|e| e.to_string())?;
+    Fanout::<Value>::builder(&scheduler)
+        .target(
+            "inbox",
+            Target::consumer(|_batch: Vec<FanoutMessage<Value>>| async { Ok(()) }),
+        )
+        .build()
+        .map_err(|e| e.to_string())?;
+    Log::<Value>::builder(&scheduler)
+        .leases(Leases::new())
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
 /// Runs case `kind` on `stage` and returns its verdict (its trace is in
 /// the generator's shared trace).
 pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
@@ -145,13 +175,17 @@ impl Cx {
         self.ctx.now_ms()
     }
 
-    /// Every table of the object but the host's meta table, row by row.
+    /// Every table of the object but the host's meta and alarm tables,
+    /// row by row. The physical alarm is left out: every transaction of a
+    /// capability reconciles it with the pending work (seed 11, case
+    /// 19915: a start that found its id `Existing` re-armed an alarm an
+    /// earlier run had moved), which writes no input of the call.
     fn snapshot(&self) -> Result<Snapshot, Failed> {
         let sql = self.ctx.storage();
         let tables = sql
             .query(
                 "SELECT name FROM sqlite_master WHERE type = 'table' \
-                 AND name != '_durability_host_meta' ORDER BY name",
+                 AND name NOT IN ('_durability_host_meta', '_durability_host_alarm') ORDER BY name",
                 &[],
             )
             .map_err(|e| format!("cannot list tables: {e}"))?;

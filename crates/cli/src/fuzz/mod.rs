@@ -9,7 +9,8 @@
 //! begins and ends. A panic anywhere in a case is caught in the child (its
 //! panic hook) and fails that case; a child that dies (abort, stack
 //! overflow, any signal) or makes no progress for `--hang-timeout-s`
-//! seconds (killed) fails the case it was in, and a new child goes on with
+//! seconds of its CPU time, or twelve times that of wall time (killed),
+//! fails the case it was in, and a new child goes on with
 //! the next case. The inputs of such a case are recovered by running it
 //! again alone in trace mode, where the child prints each input before
 //! using it. Exit code: non-zero when any case failed.
@@ -23,7 +24,7 @@
 //! visibly retrying, and other calls of the object still interleave. On
 //! paused time such a storm never lets virtual time move, so the case's
 //! own waits would never end. The child therefore counts every handler
-//! call; a case still running after half the hang timeout of real time
+//! call; a case still running after half the hang timeout of CPU time
 //! whose handlers were called at least 1,000 times since it began ends
 //! there and passes, with a `retry storm` line in its trace. A case that
 //! makes no attempts for the whole hang timeout is still a hang (a hot
@@ -67,9 +68,15 @@ pub struct FuzzArgs {
     /// else the temporary directory; removed afterwards.
     #[arg(long, value_name = "DIR")]
     data_dir: Option<PathBuf>,
-    /// A case that makes no progress for this long is a hang.
-    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    /// A case that uses this much CPU time without ending, or twelve times
+    /// this of wall time, is a hang; a retry storm ends as visibly
+    /// retrying after half of it (see the module docs).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
     hang_timeout_s: u64,
+    /// Run the cases in this many child processes at once, each a
+    /// contiguous range of them.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    jobs: u16,
     /// Test hook: make case I panic, abort or hang (`panic@I`, `abort@I`,
     /// `hang@I`), to show the harness catches each.
     #[arg(long, hide = true, value_name = "KIND@I")]
@@ -122,6 +129,8 @@ pub struct FuzzReport {
     pub cases: u64,
     pub seed: u64,
     pub from: u64,
+    /// Cases ran in this many child processes at once (`--jobs`).
+    pub jobs: u64,
     pub failed: usize,
     pub failures: Vec<CaseFailure>,
     pub by_capability: BTreeMap<String, u64>,
@@ -165,10 +174,44 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
     };
     let started = Instant::now();
     let bar = crate::bench::progress_bar("fuzz cases", args.cases);
+    let end = args.from.saturating_add(args.cases);
+    let hang = Duration::from_secs(args.hang_timeout_s);
+    // Contiguous ranges, one per job, each run by children of its own.
+    let jobs = u64::from(args.jobs).min(args.cases).max(1);
+    let per_job = args.cases.div_ceil(jobs);
+    let ranges: Vec<(u64, u64)> = (0..jobs)
+        .map(|job| {
+            let from = args.from.saturating_add(job * per_job);
+            (from, from.saturating_add(per_job).min(end))
+        })
+        .filter(|(from, end)| from < end)
+        .collect();
+    let tallies: Vec<Result<Tally, FuzzError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranges
+            .iter()
+            .enumerate()
+            .map(|(job, &(from, end))| {
+                let job_dir = dir.join(format!("job-{job}"));
+                let bar = &bar;
+                scope.spawn(move || run_range(args, seed, from, end, &job_dir, hang, bar))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| {
+                handle.join().unwrap_or_else(|_| {
+                    Err(FuzzError::Setup {
+                        message: "a job's supervisor thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
+    });
     let mut report = FuzzReport {
         cases: 0,
         seed,
         from: args.from,
+        jobs,
         failed: 0,
         failures: Vec::new(),
         by_capability: BTreeMap::new(),
@@ -176,12 +219,61 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
         elapsed_s: 0.0,
         cases_per_sec: 0.0,
     };
-    let end = args.from.saturating_add(args.cases);
-    let hang = Duration::from_secs(args.hang_timeout_s);
-    let mut next = args.from;
+    for tally in tallies {
+        let tally = tally?;
+        report.cases += tally.cases;
+        report.child_processes += tally.child_processes;
+        report.failures.extend(tally.failures);
+        for (kind, n) in tally.by_capability {
+            *report.by_capability.entry(kind).or_default() += n;
+        }
+    }
+    report.failures.sort_by_key(|failure| failure.case);
+    bar.finish_and_clear();
+    report.failed = report.failures.len();
+    report.elapsed_s = started.elapsed().as_secs_f64();
+    report.cases_per_sec = if report.elapsed_s > 0.0 {
+        (report.cases as f64 / report.elapsed_s).round()
+    } else {
+        0.0
+    };
+    if let Some(path) = &args.json {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|source| FuzzError::Json { source })?;
+        std::fs::write(path, text + "\n").map_err(|source| FuzzError::Io {
+            what: "cannot write JSON results to",
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok((render(&report), report.failures.is_empty()))
+}
+
+/// What the children of one job found.
+#[derive(Default)]
+struct Tally {
+    cases: u64,
+    failures: Vec<CaseFailure>,
+    by_capability: BTreeMap<String, u64>,
+    child_processes: u64,
+}
+
+/// Runs cases `from..end` in children one after the other (a new child
+/// after each abort or hang), under `dir`.
+fn run_range(
+    args: &FuzzArgs,
+    seed: u64,
+    from: u64,
+    end: u64,
+    dir: &Path,
+    hang: Duration,
+    bar: &indicatif::ProgressBar,
+) -> Result<Tally, FuzzError> {
+    let mut tally = Tally::default();
+    let mut next = from;
     while next < end {
-        report.child_processes += 1;
-        let child_dir = dir.join(format!("child-{}", report.child_processes));
+        tally.child_processes += 1;
+        let child_dir = dir.join(format!("child-{}", tally.child_processes));
         let outcome = supervise(
             args,
             seed,
@@ -196,10 +288,10 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
                     kind,
                     failure,
                 } => {
-                    report.cases += 1;
-                    *report.by_capability.entry(kind.clone()).or_default() += 1;
+                    tally.cases += 1;
+                    *tally.by_capability.entry(kind.clone()).or_default() += 1;
                     if let Some((error, input)) = failure {
-                        report.failures.push(CaseFailure {
+                        tally.failures.push(CaseFailure {
                             case,
                             capability: kind,
                             error,
@@ -234,9 +326,9 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
                     },
                 )?;
                 let _ = std::fs::remove_dir_all(&trace_dir);
-                report.cases += 1;
-                *report.by_capability.entry(kind.clone()).or_default() += 1;
-                report.failures.push(CaseFailure {
+                tally.cases += 1;
+                *tally.by_capability.entry(kind.clone()).or_default() += 1;
+                tally.failures.push(CaseFailure {
                     case,
                     capability: kind,
                     error: why,
@@ -247,32 +339,16 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
             }
         }
     }
-    bar.finish_and_clear();
-    report.failed = report.failures.len();
-    report.elapsed_s = started.elapsed().as_secs_f64();
-    report.cases_per_sec = if report.elapsed_s > 0.0 {
-        (report.cases as f64 / report.elapsed_s).round()
-    } else {
-        0.0
-    };
-    if let Some(path) = &args.json {
-        let text =
-            serde_json::to_string_pretty(&report).map_err(|source| FuzzError::Json { source })?;
-        std::fs::write(path, text + "\n").map_err(|source| FuzzError::Io {
-            what: "cannot write JSON results to",
-            path: path.clone(),
-            source,
-        })?;
-    }
-    Ok((render(&report), report.failures.is_empty()))
+    Ok(tally)
 }
 
 fn render(report: &FuzzReport) -> String {
     let mut text = format!(
-        "fuzz: {} cases from {} (seed {}), {} failed, {:.0} cases/s, {:.1} s, {} child processes\nby capability: {}",
+        "fuzz: {} cases from {} (seed {}, {} jobs), {} failed, {:.0} cases/s, {:.1} s, {} child processes\nby capability: {}",
         report.cases,
         report.from,
         report.seed,
+        report.jobs,
         report.failed,
         report.cases_per_sec,
         report.elapsed_s,
@@ -373,8 +449,18 @@ fn supervise(
         }
     });
     let mut in_flight: Option<u64> = None;
+    let pid = child.id();
+    let mut since_line = Progress::now(pid);
     let stopped = loop {
-        match rx.recv_timeout(hang) {
+        let received = rx.recv_timeout(POLL);
+        if received.is_ok() {
+            since_line = Progress::now(pid);
+        } else if matches!(received, Err(mpsc::RecvTimeoutError::Timeout))
+            && !since_line.hung(pid, hang)
+        {
+            continue;
+        }
+        match received {
             Ok(line) => match parse(&line)? {
                 Line::Begun { case, kind } => {
                     in_flight = Some(case);
@@ -393,8 +479,9 @@ fn supervise(
                     Some(case) => Stopped::Died {
                         case,
                         why: format!(
-                            "hang: no progress for {} s (killed; {})",
+                            "hang: no progress for {} s of CPU time or {} s of wall time (killed; {})",
                             hang.as_secs(),
+                            hang.as_secs() * u64::from(IDLE_HANG_FACTOR),
                             describe(status.ok())
                         ),
                     },
@@ -423,6 +510,60 @@ fn supervise(
     reap(&mut child);
     let _ = reader.join();
     Ok(stopped)
+}
+
+/// How often the supervisor looks at a silent child.
+const POLL: Duration = Duration::from_millis(250);
+
+/// A silent child is hung after this many hang timeouts of wall time even
+/// when it uses no CPU (blocked for good, not busy).
+const IDLE_HANG_FACTOR: u32 = 12;
+
+/// Where a child stood when it last printed a line: the wall clock and
+/// its CPU time.
+struct Progress {
+    at: Instant,
+    cpu: Option<Duration>,
+}
+
+impl Progress {
+    fn now(pid: u32) -> Progress {
+        Progress {
+            at: Instant::now(),
+            cpu: child_cpu_time(pid),
+        }
+    }
+
+    /// Hung: the child spent `hang` of CPU time without printing a line
+    /// (a loop), or `IDLE_HANG_FACTOR` times that of wall time (blocked).
+    /// CPU time, not wall time, decides the first, so a child starved by
+    /// other work on the machine (a `nice -n 19` run beside benchmarks) is
+    /// never taken for a hung one.
+    fn hung(&self, pid: u32, hang: Duration) -> bool {
+        let wall = self.at.elapsed();
+        match (self.cpu, child_cpu_time(pid)) {
+            (Some(before), Some(now)) => {
+                now.saturating_sub(before) >= hang || wall >= hang * IDLE_HANG_FACTOR
+            }
+            _ => wall >= hang,
+        }
+    }
+}
+
+/// The CPU time (user and system) process `pid` has used so far, from
+/// `/proc/<pid>/stat`; `None` where that cannot be read.
+fn child_cpu_time(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which may hold spaces: state is
+    // the first, utime the 12th and stime the 13th.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let ticks = u64::try_from(ticks).ok().filter(|t| *t > 0)?;
+    Some(Duration::from_millis((utime + stime) * 1_000 / ticks))
 }
 
 fn reap(child: &mut Child) {

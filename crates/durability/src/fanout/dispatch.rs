@@ -124,6 +124,18 @@ where
                     // more, or straight to the dead letters when it used
                     // its last one.
                     Some(claim) => {
+                        // A claim always ends past the cursor: one that
+                        // does not is a damaged row, and taking it again
+                        // would move the cursor back.
+                        if claim.end <= cursor.next_seq {
+                            return Err(store::damaged_cursor(
+                                target_id,
+                                format!(
+                                    "claim_end {} is not past next_seq {}",
+                                    claim.end, cursor.next_seq
+                                ),
+                            ));
+                        }
                         let span =
                             usize::try_from(claim.end.saturating_sub(cursor.next_seq)).unwrap_or(0);
                         let messages = store::cursor_messages(
@@ -193,12 +205,24 @@ where
                             let from = first.first_seq.max(cursor.next_seq);
                             let messages =
                                 store::cursor_messages(sql, target_id, from, last.last_seq, limit)?;
+                            // Sequences never reach i64::MAX (one per
+                            // message): a span or message that says so is
+                            // damaged, and its end would wrap around.
                             let end = match messages.last() {
                                 Some(message) if messages.len() >= limit => {
-                                    message.manifest.seq + 1
+                                    message.manifest.seq.checked_add(1)
                                 }
-                                _ => last.last_seq + 1,
-                            };
+                                _ => last.last_seq.checked_add(1),
+                            }
+                            .ok_or_else(|| {
+                                store::damaged_cursor(
+                                    target_id,
+                                    format!(
+                                        "the span {}..={} it owes ends at the largest sequence number",
+                                        last.first_seq, last.last_seq
+                                    ),
+                                )
+                            })?;
                             let fresh: Vec<_> =
                                 messages.into_iter().filter(|m| !m.excepted).collect();
                             let claim = CursorClaim {

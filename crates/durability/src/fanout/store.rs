@@ -211,14 +211,19 @@ fn limit_param(limit: usize) -> i64 {
 /// The error of a cursor that stands past a span its target still owes
 /// (only a damaged row does): it names the cursor, so it can be found.
 pub(crate) fn cursor_past_span(target: &str, next_seq: i64, span: &Span) -> FanoutError {
-    decode_error(
-        CURSORS_TABLE,
+    damaged_cursor(
         target,
         format!(
             "next_seq {next_seq} is past the span {}..={} the target still owes",
             span.first_seq, span.last_seq
         ),
     )
+}
+
+/// The error of a target's cursor (or the spans it owes) that no pass can
+/// advance: it names the cursor, so it can be found.
+pub(crate) fn damaged_cursor(target: &str, detail: String) -> FanoutError {
+    decode_error(CURSORS_TABLE, target, detail)
 }
 
 fn decode_error(table: &'static str, key: &str, detail: impl ToString) -> FanoutError {

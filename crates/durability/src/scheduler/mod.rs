@@ -112,7 +112,8 @@ impl SchedulerBuilder {
     }
 
     /// Time after which a running alarm arms a new alarm for the work it has
-    /// not finished and returns. Default 14 min; 1 ms to 2^31-1 ms.
+    /// not finished and returns. Default 14 min; 1 ms to 2^31-1 ms, whole
+    /// milliseconds.
     pub fn alarm_handoff(mut self, handoff: Duration) -> Self {
         self.alarm_handoff = handoff;
         self
@@ -166,6 +167,12 @@ impl SchedulerBuilder {
         if handoff_ms == 0 {
             return Err(ConfigError::NotPositive {
                 field: "alarm_handoff".into(),
+            });
+        }
+        if !self.alarm_handoff.subsec_nanos().is_multiple_of(1_000_000) {
+            return Err(ConfigError::NotWholeMilliseconds {
+                field: "alarm_handoff".into(),
+                value: self.alarm_handoff,
             });
         }
         if handoff_ms > u128::from(MAX_TIMER_MS) {
