@@ -33,9 +33,10 @@ fn fuzz(args: &[&str], json: &std::path::Path) -> (Output, Value) {
 fn a_short_fuzz_budget_passes_with_every_capability_exercised() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let (output, report) = fuzz(
-        &["--cases", CI_CASES, "--seed", "20261201"],
+        &["--cases", CI_CASES, "--seed", "20261201", "--jobs", "2"],
         &dir.path().join("fuzz.json"),
     );
+    assert_eq!(report["jobs"], 2, "{report}");
     assert!(
         output.status.success() && report["failures"] == Value::Array(Vec::new()),
         "{}",
@@ -105,4 +106,29 @@ fn an_injected_panic_abort_and_hang_each_fail_their_case_and_the_run_goes_on() {
             "{inject}: the failure carries its input: {failure}"
         );
     }
+}
+
+/// Seed 77, case 924: named alarms whose handler always fails, retried
+/// 0 ms apart up to 1,993,895,893 times. A retry storm its options asked
+/// for, each attempt committed: it used to be reported as a hang (paused
+/// virtual time never moves during it); it now ends visibly as a storm
+/// once its CPU budget is spent while attempts keep settling.
+#[test]
+fn a_retry_storm_the_options_asked_for_is_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let (output, report) = fuzz(
+        &[
+            "--cases",
+            "1",
+            "--from",
+            "924",
+            "--seed",
+            "77",
+            "--hang-timeout-s",
+            "4",
+        ],
+        &dir.path().join("fuzz.json"),
+    );
+    assert!(output.status.success(), "{report}");
+    assert_eq!(report["by_capability"]["alarms"], 1, "{report}");
 }

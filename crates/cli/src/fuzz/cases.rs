@@ -44,9 +44,9 @@ use serde_json::{Value, json};
 
 use super::inputs::{Fx, drop_flat, fingerprint, shown_str};
 
-/// Handler calls of every case so far (operations, named alarms, fanout
-/// targets): the child's retry-storm watch reads it (see
-/// `child::storm_watch`).
+/// Handler calls and settled attempts of every case so far (operations,
+/// named alarms, fanout targets): the child's retry-storm watch reads it
+/// (see `child::storm_watch`).
 pub static ATTEMPTS: AtomicU64 = AtomicU64::new(0);
 
 /// What every case may advance virtual time by while it waits for its
@@ -319,6 +319,7 @@ impl Cx {
             .handler("typed", move |call: DurableCall<Typed>| {
                 behave(mode, call.attempt, json!(call.payload.n))
             });
+        builder = builder.on_lifecycle_event(count_attempts());
         if self.fx.chance(0.3) {
             builder = builder.max_attempts(self.fx.count_u32("operations.max_attempts"));
         }
@@ -429,6 +430,7 @@ impl Cx {
             let attempt = call.attempt;
             async move { behave(mode, attempt, json!(null)).await.map(|_| ()) }
         });
+        builder = builder.on_lifecycle_event(count_attempts());
         if self.fx.chance(0.3) {
             builder = builder.max_attempts(self.fx.count_u32("alarms.max_attempts"));
         }
@@ -559,7 +561,8 @@ impl Cx {
         };
         let mut builder = Fanout::<Value>::builder(&scheduler)
             .target("inbox", inbox)
-            .target("archive", archive);
+            .target("archive", archive)
+            .on_lifecycle_event(count_attempts());
         if self.fx.chance(0.1) {
             let id = self.fx.name("extra target id");
             builder = builder.target(
@@ -1218,6 +1221,21 @@ const BEHAVIOURS: [&str; 6] = [
     "sleeps 2 virtual hours (past timeouts)",
     "returns a result nested 200 levels deep",
 ];
+
+/// A lifecycle hook counting every settled attempt into [`ATTEMPTS`],
+/// those that fail before a handler runs (a payload that does not decode)
+/// included.
+fn count_attempts() -> durability::lifecycle::LifecycleHook {
+    Rc::new(|event: &durability::lifecycle::LifecycleEvent| {
+        if matches!(
+            event,
+            durability::lifecycle::LifecycleEvent::AttemptSettled { .. }
+        ) {
+            ATTEMPTS.fetch_add(1, Ordering::Relaxed);
+        }
+        None
+    })
+}
 
 /// A handler doing what behaviour `mode` says.
 async fn behave(mode: usize, attempt: u32, ok: Value) -> Result<Value, HandlerError> {
