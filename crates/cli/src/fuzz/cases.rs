@@ -16,7 +16,17 @@
 //!   its error is stored);
 //! - malformed rows written straight into a capability's tables (wrong
 //!   types, NULLs, bad JSON, foreign generations) make its calls fail with
-//!   typed errors or be ignored, never panic or hang.
+//!   typed errors or be ignored, never panic or hang;
+//! - `log-cold`: records trimmed to a cold store (which fails its first
+//!   writes, and sometimes loses a segment) read back equal one by one and
+//!   in pages across segments, or fail typed (`Truncated`) for a lost one;
+//! - `fanout-redrive`: deliveries that failed for good park (no DLQ);
+//!   `redrive_parked` of some of them (unknown and repeated ids too) is
+//!   either rejected with nothing written or delivered in full;
+//! - `recurring`: interval and cron schedules (bad expressions and time
+//!   zones too), missed-tick policies, pause, resume and cancel: a refused
+//!   schedule writes nothing, an accepted one shows in `get` and runs
+//!   within the budget unless paused, a cancelled one is gone.
 //!
 //! Panics anywhere (library code, background tasks) are caught by the
 //! child's panic hook and fail the case; aborts and hangs are caught by the
@@ -77,6 +87,9 @@ pub const KINDS: &[&str] = &[
     "routing",
     "load",
     "malformed-rows",
+    "log-cold",
+    "fanout-redrive",
+    "recurring",
 ];
 
 /// What the object hands a case: its context and the scheduler slot its
@@ -137,6 +150,29 @@ pub async fn migrate_everything(stage: Rc<Stage>) -> Result<(), Failed> {
     Ok(())
 }
 
+/// A retry storm its options ask for: a named alarm whose handler always
+/// fails, retried 0 ms apart up to 2e9 times, then waited for (the wait
+/// never ends on paused time: the child's storm watch ends the case).
+pub async fn storm(stage: Rc<Stage>) -> Result<(), Failed> {
+    let ctx = stage.ctx.clone().into_dyn();
+    let scheduler = Scheduler::new(Rc::clone(&ctx)).map_err(|e| e.to_string())?;
+    *stage.scheduler.borrow_mut() = Some(scheduler.clone());
+    let alarms = Alarms::builder(&scheduler)
+        .handler("tick", |call| async move {
+            behave(2, call.attempt, json!(null)).await.map(|_| ())
+        })
+        .max_attempts(2_000_000_000)
+        .retry_delay(durability::retry::Delay::Fixed { ms: 0.0 })
+        .build()
+        .map_err(|e| e.to_string())?;
+    alarms
+        .schedule("tick", ctx.now_ms())
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::time::sleep(VIRTUAL_BUDGET).await;
+    Err("the storm ended on its own".into())
+}
+
 /// Runs case `kind` on `stage` and returns its verdict (its trace is in
 /// the generator's shared trace).
 pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
@@ -167,7 +203,10 @@ impl Cx {
             3 => self.log().await,
             4 => self.routing().await,
             5 => self.load(),
-            _ => self.malformed_rows().await,
+            6 => self.malformed_rows().await,
+            7 => self.log_cold().await,
+            8 => self.fanout_redrive().await,
+            _ => self.recurring().await,
         }
     }
 
@@ -1071,6 +1110,423 @@ impl Cx {
         Ok(())
     }
 
+    /// The log's cold storage: records trimmed by a small retention move
+    /// to a cold store (one that fails some writes, and sometimes loses a
+    /// segment); every accepted record still reads back equal, from hot or
+    /// cold, across segments, unless its segment was lost, which must be
+    /// a typed `Truncated` error, never a wrong body.
+    async fn log_cold(&mut self) -> Result<(), Failed> {
+        let Some(scheduler) = self.scheduler() else {
+            return Ok(());
+        };
+        let failing_writes = self.fx.range_u64(0, 3);
+        let loses = self.fx.chance(0.1);
+        self.fx.note(format!(
+            "cold store: first {failing_writes} writes fail, loses a segment: {loses}"
+        ));
+        let cold = Rc::new(MemCold {
+            segments: RefCell::new(std::collections::BTreeMap::new()),
+            failing_writes: std::cell::Cell::new(failing_writes),
+        });
+        let mut retention = Retention::new().max_records(self.fx.range_u64(0, 8));
+        if self.fx.chance(0.3) {
+            retention = retention.max_bytes(self.fx.count_u64("retention.max_bytes"));
+        }
+        let mut builder = Log::<Value>::builder(&scheduler)
+            .retention(retention)
+            .cold(Rc::clone(&cold) as Rc<dyn durability::log::ColdStorage>);
+        if self.fx.chance(0.5) {
+            builder = builder.max_batch_size(self.fx.count_u32("log.max_batch_size"));
+        }
+        let log = match builder.build() {
+            Ok(log) => log,
+            Err(error) => {
+                self.fx.note(format!("log refused: {error}"));
+                return Ok(());
+            }
+        };
+        let storage = |e: &durability::LogError| matches!(e, durability::LogError::Storage(_));
+        let mut accepted = Vec::new();
+        for _ in 0..self.fx.range_u64(1, 5) {
+            let count = self.fx.range_u64(1, 30);
+            let bodies: Vec<Value> = (0..count)
+                .map(|i| {
+                    if self.fx.chance(0.2) {
+                        self.fx.body("body")
+                    } else {
+                        json!({"n": i})
+                    }
+                })
+                .collect();
+            let prints: Vec<String> = bodies.iter().map(fingerprint).collect();
+            let appended = log
+                .append(bodies.into_iter().map(AppendRecord::new).collect())
+                .await;
+            self.fx.note(format!(
+                "append of {count} -> {}",
+                short(&appended.as_ref().map(|a| a.offsets().map(<[u64]>::len)))
+            ));
+            match appended {
+                Ok(appended) => {
+                    if let Some(offsets) = appended.offsets() {
+                        accepted.extend(offsets.iter().copied().zip(prints));
+                    }
+                }
+                Err(error) => self.typed("append", &error, storage(&error))?,
+            }
+            let trimmed = log.trim().await;
+            self.fx.note(format!("trim -> {}", short(&trimmed)));
+            if let Err(error) = trimmed {
+                self.typed("trim", &error, storage(&error))?;
+            }
+        }
+        let first_segment = cold.segments.borrow().keys().next().cloned();
+        if loses && let Some(key) = first_segment {
+            self.fx.note(format!("segment {key} lost"));
+            cold.segments.borrow_mut().remove(&key);
+        }
+        // Every record reads back, one at a time and in pages across
+        // segments.
+        for (offset, print) in &accepted {
+            match log.read(Read::from_offset(*offset).limit(1)).await {
+                Ok(page) => match page.records.first() {
+                    Some(record)
+                        if record.offset == *offset && &fingerprint(&record.body) == print => {}
+                    other => {
+                        return Err(format!(
+                            "accepted record {offset} reads back as {:?}",
+                            other.map(|r| (r.offset, shown_str(&fingerprint(&r.body))))
+                        ));
+                    }
+                },
+                Err(durability::LogError::Truncated { .. }) if loses => {}
+                Err(error) => {
+                    return Err(format!(
+                        "accepted record {offset} does not read back: {error}"
+                    ));
+                }
+            }
+        }
+        let mut from = 0;
+        let mut pages = 0;
+        while pages < 200 {
+            pages += 1;
+            match log.read(Read::from_offset(from).limit(7)).await {
+                Ok(page) if page.records.is_empty() => break,
+                Ok(page) => {
+                    for record in &page.records {
+                        if record.offset < from {
+                            return Err(format!(
+                                "a page from {from} holds offset {}",
+                                record.offset
+                            ));
+                        }
+                    }
+                    from = page.records.last().map_or(from, |r| r.offset + 1);
+                }
+                Err(durability::LogError::Truncated { .. }) if loses => from += 1,
+                Err(error) => return Err(format!("a page read from {from} failed: {error}")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Parked fanout deliveries brought back with `redrive_parked`: a
+    /// consumer that fails until the redrive, no DLQ, so terminal
+    /// deliveries park; then some parked ids (and unknown ones) redriven.
+    /// A rejected redrive writes nothing; an accepted one ends visibly
+    /// again (the consumer now succeeds).
+    async fn fanout_redrive(&mut self) -> Result<(), Failed> {
+        let Some(scheduler) = self.scheduler() else {
+            return Ok(());
+        };
+        let healed = Rc::new(std::cell::Cell::new(false));
+        let delivered = Rc::new(RefCell::new(HashSet::<String>::new()));
+        let inbox = {
+            let (healed, delivered) = (Rc::clone(&healed), Rc::clone(&delivered));
+            Target::consumer(move |batch: Vec<FanoutMessage<Value>>| {
+                let (healed, delivered) = (Rc::clone(&healed), Rc::clone(&delivered));
+                async move {
+                    ATTEMPTS.fetch_add(1, Ordering::Relaxed);
+                    if !healed.get() {
+                        return Err(HandlerError::non_retryable("down until the redrive"));
+                    }
+                    for message in &batch {
+                        delivered.borrow_mut().insert(message.id.clone());
+                    }
+                    Ok(())
+                }
+            })
+            .ack_on_return(true)
+        };
+        let mut builder = Fanout::<Value>::builder(&scheduler)
+            .target("inbox", inbox)
+            .on_lifecycle_event(count_attempts());
+        if self.fx.chance(0.3) {
+            builder =
+                builder.max_enqueue_messages(self.fx.count_usize("fanout.max_enqueue_messages"));
+        }
+        let fanout = match builder.build() {
+            Ok(fanout) => fanout,
+            Err(error) => {
+                self.fx.note(format!("fanout refused: {error}"));
+                return Ok(());
+            }
+        };
+        let count = self.fx.range_u64(1, 6);
+        let messages: Vec<FanoutInput<Value>> = (0..count)
+            .map(|i| FanoutInput::new(json!({"n": i})))
+            .collect();
+        let enqueued = fanout.enqueue(messages, &EnqueueOptions::all()).await;
+        self.fx
+            .note(format!("enqueue -> {}", short_enqueue(&enqueued)));
+        if !matches!(enqueued, Ok(EnqueueResult::Accepted { .. })) {
+            return Ok(());
+        }
+        let parked_count = |fanout: &Fanout<Value>| {
+            fanout
+                .parked(None, 1_000)
+                .map(|entries| entries.len())
+                .map_err(|e| format!("parked() failed: {e}"))
+        };
+        self.drive(|_| {
+            Ok(if parked_count(&fanout)? as u64 >= count {
+                Progress::Ended
+            } else {
+                Progress::Waiting
+            })
+        })
+        .await?;
+        let parked = fanout
+            .parked(None, 1_000)
+            .map_err(|e| format!("parked() failed: {e}"))?;
+        if parked.len() as u64 != count {
+            return Err(format!(
+                "{count} messages failed for good without a DLQ but {} are parked",
+                parked.len()
+            ));
+        }
+        healed.set(true);
+        let mut ids: Vec<String> = parked
+            .iter()
+            .filter(|_| self.fx.chance(0.7))
+            .map(|entry| entry.id.clone())
+            .collect();
+        if self.fx.chance(0.3) {
+            ids.push(self.fx.name("parked id"));
+        }
+        if self.fx.chance(0.1) {
+            ids.push(ids.first().cloned().unwrap_or_default());
+        }
+        let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let before = self.snapshot()?;
+        let redriven = fanout.redrive_parked(&refs).await;
+        self.fx.note(format!(
+            "redrive_parked of {} ids -> {}",
+            ids.len(),
+            short_enqueue(&redriven)
+        ));
+        match redriven {
+            Ok(EnqueueResult::Accepted { value, .. }) => {
+                let wanted: HashSet<String> = value.into_iter().collect();
+                self.drive(|_| {
+                    Ok(if wanted.iter().all(|id| delivered.borrow().contains(id)) {
+                        Progress::Ended
+                    } else {
+                        Progress::Waiting
+                    })
+                })
+                .await?;
+                let missing: Vec<&String> = wanted
+                    .iter()
+                    .filter(|id| !delivered.borrow().contains(*id))
+                    .collect();
+                if !missing.is_empty() {
+                    return Err(format!(
+                        "redriven messages {missing:?} were accepted but never delivered"
+                    ));
+                }
+            }
+            Ok(EnqueueResult::Rejected { .. }) => self.unchanged(&before, "redrive_parked")?,
+            Err(error) => {
+                self.typed("redrive_parked", &error, true)?;
+                self.unchanged(&before, "redrive_parked")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Recurring named alarms: random intervals and cron expressions (bad
+    /// ones and bad time zones too), missed-tick policies, pause, resume
+    /// and cancel. A refused schedule writes nothing; an accepted one
+    /// whose period fits the budget runs, and `list` shows it.
+    async fn recurring(&mut self) -> Result<(), Failed> {
+        let Some(scheduler) = self.scheduler() else {
+            return Ok(());
+        };
+        let mode = self.fx.below(4);
+        self.fx
+            .note(format!("handler behaviour: {}", BEHAVIOURS[mode]));
+        let runs = Rc::new(std::cell::Cell::new(0u64));
+        let alarms = {
+            let runs = Rc::clone(&runs);
+            Alarms::builder(&scheduler)
+                .handler("tick", move |call| {
+                    let runs = Rc::clone(&runs);
+                    let attempt = call.attempt;
+                    async move {
+                        runs.set(runs.get() + 1);
+                        behave(mode, attempt, json!(null)).await.map(|_| ())
+                    }
+                })
+                .on_lifecycle_event(count_attempts())
+                .build()
+        };
+        let alarms = match alarms {
+            Ok(alarms) => alarms,
+            Err(error) => {
+                self.fx.note(format!("alarms refused: {error}"));
+                return Ok(());
+            }
+        };
+        let recurrence = if self.fx.chance(0.5) {
+            durability::alarms::Recurrence::every(self.fx.duration("every"))
+        } else {
+            let expression = self.fx.pick(&[
+                "* * * * *",
+                "*/5 * * * *",
+                "0 8 * * *",
+                "30 2 * * *",
+                "0 0 29 2 *",
+                "*/7 * * * * *",
+                "61 * * * *",
+                "",
+                "not a cron",
+                "0 0 31 2 *",
+            ]);
+            let zone = self.fx.pick(&[
+                "UTC",
+                "Europe/Paris",
+                "America/St_Johns",
+                "Mars/Olympus",
+                "",
+            ]);
+            self.fx.note(format!("cron {expression:?} in {zone:?}"));
+            durability::alarms::Recurrence::cron(expression, zone)
+        };
+        let recurrence = match recurrence {
+            Ok(recurrence) => recurrence,
+            Err(error) => {
+                self.fx.note(format!("recurrence refused: {error}"));
+                return Ok(());
+            }
+        };
+        let recurrence = match self.fx.below(3) {
+            0 => recurrence.missed_ticks(durability::alarms::MissedTicks::Skip),
+            1 => recurrence.missed_ticks(durability::alarms::MissedTicks::RunOnce),
+            _ => recurrence.missed_ticks(durability::alarms::MissedTicks::CatchUp {
+                max: self.fx.count_u32("catch_up.max"),
+            }),
+        };
+        let recurrence = if self.fx.chance(0.3) {
+            recurrence.misfire_grace(self.fx.duration("misfire_grace"))
+        } else {
+            recurrence
+        };
+        let name = if self.fx.chance(0.9) {
+            "tick".to_owned()
+        } else {
+            self.fx.name("alarm name")
+        };
+        let payload = self.fx.body("payload");
+        let before = self.snapshot()?;
+        let scheduled = alarms
+            .schedule_recurring(&name, &recurrence, &payload)
+            .await;
+        drop_flat(payload);
+        self.fx
+            .note(format!("schedule_recurring -> {}", short(&scheduled)));
+        let first = match scheduled {
+            Ok(first) => first,
+            Err(error) => {
+                self.typed(
+                    "schedule_recurring",
+                    &error,
+                    matches!(error, DurabilityError::Storage(_)),
+                )?;
+                return self.unchanged(&before, "schedule_recurring");
+            }
+        };
+        let listed = alarms
+            .get(&name)
+            .map_err(|e| format!("get of a scheduled alarm failed: {e}"))?;
+        if listed.is_none() {
+            return Err(format!(
+                "schedule_recurring accepted {name:?} but get() finds nothing"
+            ));
+        }
+        for _ in 0..self.fx.range_u64(0, 3) {
+            let step = self.fx.below(3);
+            let result = match step {
+                0 => alarms.pause(&name).await.map(|p| format!("{p}")),
+                1 => alarms.resume(&name).await.map(|at| format!("{at}")),
+                _ => {
+                    tokio::time::sleep(Duration::from_secs(self.fx.range_u64(1, 7_200))).await;
+                    Ok("slept".into())
+                }
+            };
+            self.fx.note(format!("step {step} -> {}", short(&result)));
+            if let Err(error) = result {
+                self.typed(
+                    "pause/resume",
+                    &error,
+                    matches!(error, DurabilityError::Storage(_)),
+                )?;
+            }
+        }
+        let paused = matches!(
+            alarms.get(&name),
+            Ok(Some(entry)) if entry.state == durability::alarms::AlarmState::Paused
+        );
+        // A tick due within the budget runs (unless paused).
+        let due_in_budget = first.is_some_and(|at| at <= beyond_budget(self.now()) - 86_400_000);
+        if due_in_budget && !paused {
+            let runs_before = runs.get();
+            self.drive(|_| {
+                Ok(if runs.get() > runs_before {
+                    Progress::Ended
+                } else {
+                    Progress::Waiting
+                })
+            })
+            .await?;
+            if runs.get() == runs_before
+                && matches!(alarms.get(&name), Ok(Some(entry)) if entry.state != durability::alarms::AlarmState::Paused)
+            {
+                return Err(format!(
+                    "recurring alarm {name:?} first due at {first:?} never ran within the budget (now {})",
+                    self.now()
+                ));
+            }
+        }
+        if self.fx.chance(0.5) {
+            let cancelled = alarms.cancel(&name).await;
+            self.fx.note(format!("cancel -> {}", short(&cancelled)));
+            if let Err(error) = &cancelled {
+                self.typed(
+                    "cancel",
+                    error,
+                    matches!(error, DurabilityError::Storage(_)),
+                )?;
+            }
+            if matches!(alarms.get(&name), Ok(Some(_))) && matches!(cancelled, Ok(true)) {
+                return Err(format!("{name:?} was cancelled but get() still finds it"));
+            }
+        }
+        let _ = alarms.list().map_err(|e| format!("list failed: {e}"))?;
+        Ok(())
+    }
+
     /// Sets up a capability with some accepted work, writes malformed rows
     /// straight into its tables, then drives it and calls its readers.
     async fn malformed_rows(&mut self) -> Result<(), Failed> {
@@ -1324,6 +1780,44 @@ async fn consume(
             }
             Ok(())
         }
+    }
+}
+
+/// An in-memory cold store whose first writes fail.
+struct MemCold {
+    /// Ordered, so the segment a case loses is the same on a rerun.
+    segments: RefCell<std::collections::BTreeMap<String, durability::log::Segment>>,
+    failing_writes: std::cell::Cell<u64>,
+}
+
+impl durability::log::ColdStorage for MemCold {
+    fn write<'a>(
+        &'a self,
+        segment: &'a durability::log::Segment,
+    ) -> durability::platform::LocalBoxFuture<'a, Result<String, durability::log::ColdError>> {
+        Box::pin(async move {
+            if self.failing_writes.get() > 0 {
+                self.failing_writes.set(self.failing_writes.get() - 1);
+                return Err(durability::log::ColdError::new(std::io::Error::other(
+                    "cold store unavailable",
+                )));
+            }
+            let locator = format!("{}-{}", segment.first_offset, segment.last_offset);
+            self.segments
+                .borrow_mut()
+                .insert(locator.clone(), segment.clone());
+            Ok(locator)
+        })
+    }
+
+    fn read<'a>(
+        &'a self,
+        locator: &'a str,
+    ) -> durability::platform::LocalBoxFuture<
+        'a,
+        Result<Option<durability::log::Segment>, durability::log::ColdError>,
+    > {
+        Box::pin(async move { Ok(self.segments.borrow().get(locator).cloned()) })
     }
 }
 

@@ -43,7 +43,7 @@ pub struct ChildArgs {
 
 /// Handler calls a case must make after its real-time budget to count as
 /// a retry storm rather than a hang.
-const STORM_ATTEMPTS: u64 = 1_000;
+const STORM_ATTEMPTS: u64 = 100;
 
 /// A failed case as the child reports it.
 #[derive(Debug, Serialize, Deserialize)]
@@ -60,9 +60,12 @@ enum Inject {
     Panic,
     Abort,
     Hang,
+    /// Case I becomes a retry storm of named alarms (always failing,
+    /// 0 ms apart, 2e9 attempts), which must pass.
+    Storm,
 }
 
-/// `panic@I`, `abort@I` or `hang@I`.
+/// `panic@I`, `abort@I`, `hang@I` or `storm@I`.
 pub(super) fn parse_inject(value: &str) -> Result<(u64, &'static str), FuzzError> {
     let bad = || FuzzError::Inject {
         value: value.to_owned(),
@@ -73,6 +76,7 @@ pub(super) fn parse_inject(value: &str) -> Result<(u64, &'static str), FuzzError
         "panic" => "panic",
         "abort" => "abort",
         "hang" => "hang",
+        "storm" => "storm",
         _ => return Err(bad()),
     };
     Ok((case, kind))
@@ -109,6 +113,7 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
             let kind = match kind {
                 "panic" => Inject::Panic,
                 "abort" => Inject::Abort,
+                "storm" => Inject::Storm,
                 _ => Inject::Hang,
             };
             Some((case, kind))
@@ -141,23 +146,34 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
     let storm_after = Duration::from_millis(args.storm_after_ms);
     let local = tokio::task::LocalSet::new();
     local.block_on(&runtime, async {
-        let host = Host::builder(&args.data_dir)
-            .threads(0)
-            .synchronous(Synchronous::Normal)
-            .idle_timeout(Duration::from_secs(400 * 86_400))
-            .build()
-            .map_err(|e| setup(e.to_string()))?;
-        let objects = host
-            .namespace("fuzz", |ctx| {
-                Ok(FuzzObject {
-                    stage: Rc::new(Stage {
-                        ctx,
-                        scheduler: RefCell::new(None),
-                    }),
+        // One host per commit mode, each over a directory of its own: case
+        // `i` runs on mode `i % 3`, so the group commit of the default
+        // mode (output gates, the flusher) is fuzzed beside FULL and
+        // NORMAL.
+        let mut hosts = Vec::new();
+        for (mode, name) in HOST_MODES {
+            let host = Host::builder(args.data_dir.join(name))
+                .threads(0)
+                .synchronous(mode)
+                .idle_timeout(Duration::from_secs(400 * 86_400))
+                .build()
+                .map_err(|e| setup(e.to_string()))?;
+            let objects = host
+                .namespace("fuzz", |ctx| {
+                    Ok(FuzzObject {
+                        stage: Rc::new(Stage {
+                            ctx,
+                            scheduler: RefCell::new(None),
+                        }),
+                    })
                 })
-            })
-            .map_err(|e| setup(e.to_string()))?;
-        let template = match Template::make(&host, &objects, &args.data_dir).await {
+                .map_err(|e| setup(e.to_string()))?;
+            hosts.push((host, objects, name));
+        }
+        let Some((first_host, first_objects, _)) = hosts.first() else {
+            return Err(setup("no host".into()));
+        };
+        let template = match Template::make(first_host, first_objects, &args.data_dir).await {
             Ok(template) => template,
             Err(message) => return Err(setup(message)),
         };
@@ -167,12 +183,25 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
                 after: storm_after,
                 tick: Arc::clone(&tick),
             };
-            run_case(
-                &host, &objects, args.seed, case, args.trace, injected, storm, &template,
-            )
-            .await;
+            let index = usize::try_from(case % HOST_MODES.len() as u64).unwrap_or(0);
+            let Some((host, objects, mode)) = hosts.get(index) else {
+                continue;
+            };
+            let run = CaseRun {
+                host,
+                objects,
+                mode,
+                seed: args.seed,
+                case,
+                trace: args.trace,
+                inject: injected,
+                template: &template,
+            };
+            run_case(run, storm).await;
         }
-        host.shutdown().await;
+        for (host, _, _) in hosts {
+            host.shutdown().await;
+        }
         Ok::<(), FuzzError>(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -297,22 +326,42 @@ async fn storm_watch(storm: Storm, steps: Arc<Mutex<Vec<String>>>) {
     }
 }
 
-#[allow(clippy::too_many_arguments)] // each is one setting of the case run
-async fn run_case(
-    host: &Host,
-    objects: &Namespace<FuzzObject>,
+/// The host commit modes a case may run on, with their directory names.
+const HOST_MODES: [(Synchronous, &str); 3] = [
+    (Synchronous::Normal, "normal"),
+    (Synchronous::Batched, "batched"),
+    (Synchronous::Full, "full"),
+];
+
+/// Where and how one case runs.
+struct CaseRun<'a> {
+    host: &'a Host,
+    objects: &'a Namespace<FuzzObject>,
+    mode: &'static str,
     seed: u64,
     case: u64,
     trace: bool,
     inject: Option<Inject>,
-    storm: Storm,
-    template: &Template,
-) {
+    template: &'a Template,
+}
+
+async fn run_case(run: CaseRun<'_>, storm: Storm) {
+    let CaseRun {
+        host,
+        objects,
+        mode,
+        seed,
+        case,
+        trace,
+        inject,
+        template,
+    } = run;
     let mut fx = Fx::new(seed, case, trace);
     let kind = fx.below(KINDS.len());
     let kind_name = cases::kind_name(kind);
     emit(&format!("B {case} {kind_name}"));
     fx.note(format!("case kind: {kind_name}"));
+    fx.note(format!("host commit mode: {mode}"));
     let steps: Arc<Mutex<Vec<String>>> = fx.shared_trace();
     let storm_steps = Arc::clone(&steps);
     match inject {
@@ -322,7 +371,7 @@ async fn run_case(
         Some(Inject::Hang) => loop {
             std::hint::spin_loop();
         },
-        Some(Inject::Panic) | None => {}
+        Some(Inject::Panic | Inject::Storm) | None => {}
     }
     let verdict = match objects.stub(&format!("case-{case}")) {
         Ok(stub) => {
@@ -334,8 +383,15 @@ async fn run_case(
                     if inject == Some(Inject::Panic) {
                         panic!("injected panic (--inject)");
                     }
+                    let case = async {
+                        if inject == Some(Inject::Storm) {
+                            cases::storm(Rc::clone(&o.stage)).await
+                        } else {
+                            cases::run(Rc::clone(&o.stage), kind, fx).await
+                        }
+                    };
                     let verdict = tokio::select! {
-                        verdict = cases::run(Rc::clone(&o.stage), kind, fx) => verdict,
+                        verdict = case => verdict,
                         () = storm_watch(storm, storm_steps) => Ok(()),
                     };
                     // The case is over: its alarms and timers go with it.

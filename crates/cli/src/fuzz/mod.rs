@@ -1,8 +1,15 @@
-//! `durability fuzz --cases N [--seed S] [--json FILE]`: random and
-//! adversarial inputs against the public API of every capability
-//! (operations, named alarms, fanout, log, routing, load) and malformed
-//! rows written straight into their tables; see [`cases`] for what each
-//! case checks.
+//! `durability fuzz --cases N [--seed S] [--json FILE] [--jobs N]`: random
+//! and adversarial inputs against the public API of every capability
+//! (operations, named alarms and their recurring schedules, fanout and
+//! `redrive_parked`, the log and its cold storage, routing, load) and
+//! malformed rows written straight into their tables, on hosts in each
+//! commit mode (the default group commit, FULL, NORMAL); see [`cases`]
+//! for what each case checks.
+//!
+//! Speed: the object files live in /dev/shm when there is one; most cases
+//! start from a copy of a migrated file (one in 16 runs every migration
+//! itself); `--jobs N` runs N children at once on contiguous ranges of
+//! cases (the report, failures sorted by case, is the same as one job's).
 //!
 //! The supervisor (this module) runs the cases in a child process (the
 //! same binary, hidden `fuzz-child`), which prints a line when each case
@@ -25,7 +32,8 @@
 //! paused time such a storm never lets virtual time move, so the case's
 //! own waits would never end. The child therefore counts every handler
 //! call; a case still running after half the hang timeout of CPU time
-//! whose handlers were called at least 1,000 times since it began ends
+//! whose handlers were called (or attempts settled) at least 100 times
+//! since it began ends
 //! there and passes, with a `retry storm` line in its trace. A case that
 //! makes no attempts for the whole hang timeout is still a hang (a hot
 //! loop that commits nothing, like the damaged rows the scheduler's stall
@@ -78,7 +86,8 @@ pub struct FuzzArgs {
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     jobs: u16,
     /// Test hook: make case I panic, abort or hang (`panic@I`, `abort@I`,
-    /// `hang@I`), to show the harness catches each.
+    /// `hang@I`), to show the harness catches each, or a retry storm
+    /// (`storm@I`), to show it is not taken for a hang.
     #[arg(long, hide = true, value_name = "KIND@I")]
     inject: Option<String>,
 }
@@ -106,7 +115,7 @@ pub enum FuzzError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("--inject must be panic@I, abort@I or hang@I, got {value:?}")]
+    #[error("--inject must be panic@I, abort@I, hang@I or storm@I, got {value:?}")]
     Inject { value: String },
     #[error("cannot start the fuzz child's runtime or host: {message}")]
     Setup { message: String },

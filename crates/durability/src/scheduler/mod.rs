@@ -198,6 +198,8 @@ impl SchedulerBuilder {
             early: RefCell::new(None),
             failed_until: Cell::new(None),
             wanted_at: Cell::new(None),
+            last_quiet: Cell::new(None),
+            runs_ended: Cell::new(0),
             alarm_changes: Cell::new(0),
             in_run: Cell::new(0),
             next_id: Cell::new(0),
@@ -389,6 +391,11 @@ pub(crate) struct Engine {
     /// The earliest time the last reconcile wanted the timer at, before
     /// the failed-run clamp: whether work is still due at once.
     wanted_at: Cell<Option<EpochMs>>,
+    /// When the last quiet run ended, the count it left, and its number
+    /// among the runs ended (see [`Engine::stalled`]).
+    last_quiet: Cell<Option<(EpochMs, i64, u64)>>,
+    /// Runs ended so far; a quiet run records its number.
+    runs_ended: Cell<u64>,
     /// Rows the scheduler's own alarm writes changed (see
     /// [`Engine::write_alarm`]).
     alarm_changes: Cell<i64>,
@@ -794,8 +801,13 @@ impl Engine {
     ) -> Result<(), DurabilityError> {
         self.in_run.set(self.in_run.get() + 1);
         let changes_before = self.progress_count();
-        let ran = match self.run_alarm(info).await {
-            Ok(()) => self.stalled(changes_before).map_or(Ok(()), Err),
+        let ended_before = self.runs_ended.get();
+        let ran = self.run_alarm(info).await;
+        self.runs_ended.set(self.runs_ended.get().wrapping_add(1));
+        let ran = match ran {
+            Ok(()) => self
+                .stalled(changes_before, ended_before)
+                .map_or(Ok(()), Err),
             Err(error) => Err(error),
         };
         self.in_run.set(self.in_run.get().saturating_sub(1));
@@ -828,20 +840,42 @@ impl Engine {
     /// due. A pass that returns `Ok` without advancing a damaged row (a
     /// compare-and-set that never matches, a row outside every query's
     /// range) leaves that row due, and the run's own reconcile re-arms the
-    /// timer at once: a hot loop no failing-run check catches. So a
-    /// successful run that leaves work due at once while the connection's
-    /// `total_changes()` did not move from its start to its end (no claim,
-    /// no settlement, no new work; the alarm's own writes not counted)
-    /// counts as failed with [`DurabilityError::NoProgress`]: logged,
-    /// reported to `on_alarm_retry`, retried at the fallback pace. A run
-    /// that finds nothing due at once or moved the count lifts the pace.
-    /// A backlog that drains writes on every run and is never slowed.
-    /// Where the count cannot be read (a platform refusing the function),
-    /// the guard is off.
-    fn stalled(&self, changes_before: Option<i64>) -> Option<DurabilityError> {
+    /// timer at once: a hot loop no failing-run check catches.
+    ///
+    /// A run is *quiet* when it ends `Ok` with work due at once while the
+    /// connection's `total_changes()` did not move from its start to its
+    /// end (no claim, no settlement, no new work; the scheduler's own alarm
+    /// writes not counted). One quiet run is normal (a run that finds the
+    /// due work running already, or held by a gate, and leaves it to
+    /// them). A quiet run that began after the last quiet run ended, at
+    /// the same instant and with the count unchanged, is the hot loop (one
+    /// run re-arming the next at once): it counts as
+    /// failed with [`DurabilityError::NoProgress`] (logged, reported to
+    /// `on_alarm_retry`, retried at the fallback pace). Any run that finds
+    /// nothing due at once or moved the count lifts the pace. A backlog
+    /// that drains writes on every run and is never slowed. Where the count
+    /// cannot be read (a platform refusing the function), the guard is
+    /// off.
+    fn stalled(&self, changes_before: Option<i64>, ended_before: u64) -> Option<DurabilityError> {
         let now = self.now();
         let due_at_once = self.wanted_at.get().is_some_and(|at| at <= now);
-        if !due_at_once || changes_before.is_none() || self.progress_count() != changes_before {
+        let changes = self.progress_count();
+        if !due_at_once || changes.is_none() || changes != changes_before {
+            self.last_quiet.set(None);
+            self.failed_until.set(None);
+            return None;
+        }
+        let ended = self.runs_ended.get();
+        let previous = self
+            .last_quiet
+            .replace(changes.map(|changes| (now, changes, ended)));
+        // A loop: the last quiet run ended at this instant with this count
+        // *before this run began*. Runs that overlapped (several waiting on
+        // one running handler, ending together) are not one.
+        let looping = previous.is_some_and(|(at, count, index)| {
+            Some(count) == changes && at == now && index <= ended_before
+        });
+        if !looping {
             self.failed_until.set(None);
             return None;
         }
