@@ -79,7 +79,9 @@ pub enum MemoError<E> {
     /// The memo table could not be read or written.
     Storage(StorageError),
     /// A memo key that is empty or longer than
-    /// [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES); `f` was not run.
+    /// [`MAX_ID_BYTES`](crate::limits::MAX_ID_BYTES) (`f` was not run), or
+    /// a value above the capability's body limit (`f` ran; nothing was
+    /// stored).
     Limit(LimitError),
 }
 
@@ -128,6 +130,9 @@ pub struct Memo {
     ctx: Rc<dyn Context>,
     table: DurableTable,
     attempt: AttemptRef,
+    /// The largest value stored, in bytes of its own JSON, and the setting
+    /// that sets it.
+    max_value_bytes: (usize, &'static str),
 }
 
 impl fmt::Debug for Memo {
@@ -146,7 +151,16 @@ impl Memo {
             ctx,
             table,
             attempt,
+            max_value_bytes: (limits::DEFAULT_MAX_BODY_BYTES, "DEFAULT_MAX_BODY_BYTES"),
         }
+    }
+
+    /// Stores values of at most `bytes` of their own JSON, the body limit
+    /// of the capability (`setting` names it in the error); default
+    /// [`DEFAULT_MAX_BODY_BYTES`](crate::limits::DEFAULT_MAX_BODY_BYTES).
+    pub fn max_value_bytes(mut self, bytes: usize, setting: &'static str) -> Self {
+        self.max_value_bytes = (bytes, setting);
+        self
     }
 
     /// The attempt these memos belong to.
@@ -171,6 +185,11 @@ impl Memo {
         }
         let value = f.await.map_err(MemoError::Callback)?;
         let text = codec::encode(&value)?;
+        // Like any body (issue 10): a value above the limit is not stored,
+        // and the call fails; `f` ran, and runs again on a retry.
+        let (max_bytes, setting) = self.max_value_bytes;
+        limits::check_body("memo value", codec::body_bytes(&text), max_bytes, setting)
+            .map_err(MemoError::Limit)?;
         if !self.store(key, &text)? {
             tracing::debug!(
                 table = self.table.name,

@@ -994,7 +994,8 @@ impl AttemptKind for OperationAttempt {
                 generation: self.generation.clone(),
                 attempt,
             },
-        );
+        )
+        .max_value_bytes(inner.max_payload_bytes, "max_payload_bytes");
         let trace_context =
             crate::trace::load(inner.engine.sql(), CALLS, &self.id, &self.generation)
                 .unwrap_or_else(|error| {
@@ -1033,6 +1034,22 @@ impl AttemptKind for OperationAttempt {
             }
             Output::Unit => codec::encode_value(None)?,
         };
+        // A result is a body like the payload: the same limit (issue 10).
+        // Too large, the attempt fails like an unserializable result.
+        let max_bytes = self
+            .inner
+            .upgrade()
+            .map_or(limits::DEFAULT_MAX_BODY_BYTES, |inner| {
+                inner.max_payload_bytes
+            });
+        if let Err(error) = limits::check_body(
+            "result",
+            codec::body_bytes(&encoded),
+            max_bytes,
+            "max_payload_bytes",
+        ) {
+            return Err(HandlerError::result_serialization(&self.operation, error));
+        }
         let owned = crate::record::update_attempt(
             sql,
             CALLS,

@@ -296,6 +296,17 @@ async fn config_errors_name_the_setter_the_value_came_through() {
                 "retention.max_age",
             ),
             (
+                // Issue 10 defect 7: it was unbounded.
+                config(
+                    Log::<String>::builder(&scheduler)
+                        .leases(Leases::new().max_parallelism(u32::MAX))
+                        .build()
+                        .err()
+                        .unwrap(),
+                ),
+                "leases.max_parallelism",
+            ),
+            (
                 config(
                     Operations::builder(&scheduler)
                         .attempt_timeout(Duration::ZERO)

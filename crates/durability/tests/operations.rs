@@ -1512,6 +1512,75 @@ async fn max_payload_bytes_is_configurable_and_bounded_at_build() {
     .await;
 }
 
+// Issue 10, defect 8: results and memo values are bodies too, under the
+// same `max_payload_bytes` as payloads; they had no limit at all.
+#[tokio::test(start_paused = true)]
+async fn results_and_memo_values_obey_max_payload_bytes() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let scheduler = scheduler(&h);
+        let ops = Operations::builder(&scheduler)
+            .handler("big_result", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>("r".repeat(100))
+            })
+            .handler("small_result", |_: DurableCall<()>| async {
+                Ok::<_, HandlerError>("r".repeat(60))
+            })
+            .handler("big_memo", |call: DurableCall<()>| async move {
+                let value = call
+                    .memo
+                    .memoize("m", async { Ok::<_, HandlerError>("m".repeat(100)) })
+                    .await?;
+                Ok::<_, HandlerError>(value.len())
+            })
+            .max_attempts(1)
+            .max_payload_bytes(64)
+            .build()
+            .unwrap();
+        for (operation, id) in [("big_result", "a"), ("small_result", "b"), ("big_memo", "c")] {
+            ops.start(operation, id, &()).await.unwrap();
+        }
+        let big = ops
+            .wait::<String>("big_result", "a", LONG_WAIT)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&big, OperationResult::Failed { error, .. } if error.name == "DurableResultSerializationError"),
+            "{big:?}"
+        );
+        assert_eq!(
+            query_i64(
+                &*ctx,
+                "SELECT COUNT(*) FROM durability_calls WHERE result IS NOT NULL AND id = 'a'",
+                &[]
+            ),
+            0,
+            "nothing of the result is stored"
+        );
+        let small = ops
+            .wait::<String>("small_result", "b", LONG_WAIT)
+            .await
+            .unwrap();
+        assert_eq!(small, OperationResult::Completed { result: "r".repeat(60) });
+        let memo = ops.wait::<usize>("big_memo", "c", LONG_WAIT).await.unwrap();
+        match memo {
+            OperationResult::Failed { error, .. } => assert!(
+                error
+                    .message
+                    .contains("memo value is 102 bytes, above the limit of 64 (max_payload_bytes)"),
+                "{error:?}"
+            ),
+            other => panic!("a memo value above the limit must fail the attempt: {other:?}"),
+        }
+        assert_eq!(
+            query_i64(&*ctx, "SELECT COUNT(*) FROM durability_memos", &[]),
+            0,
+            "nothing of the memo is stored"
+        );
+    })
+    .await;
+}
+
 /// The message of a builder's error, or `None` when it built.
 fn build_error<T>(built: Result<T, impl std::fmt::Display>) -> Option<String> {
     built.err().map(|error| error.to_string())

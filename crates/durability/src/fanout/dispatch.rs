@@ -490,7 +490,8 @@ where
             body,
             attempt: row.attempt,
             enqueued_at: state.claim.enqueued_at,
-            memo: Memo::new(Rc::clone(&self.engine.ctx), DELIVERIES, row.attempt_ref()),
+            memo: Memo::new(Rc::clone(&self.engine.ctx), DELIVERIES, row.attempt_ref())
+                .max_value_bytes(self.max_body_bytes, "max_body_bytes"),
             trace_context,
             state: Rc::clone(state),
             fanout: Rc::clone(self),

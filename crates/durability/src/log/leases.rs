@@ -52,6 +52,9 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// Default number of ranges of one consumer held at once.
 pub const DEFAULT_MAX_PARALLELISM: u32 = 1;
+/// The most ranges one consumer may hold at once: every lease reads the
+/// consumer's live ranges, so far more would only make each lease slower.
+pub const MAX_PARALLELISM: u32 = 10_000;
 
 /// Called, in the background, when a range is skipped as poison.
 pub type PoisonHook =
@@ -131,7 +134,8 @@ impl Leases {
         self
     }
 
-    /// Ranges of one consumer held at once. Default 1.
+    /// Ranges of one consumer held at once. Default 1; 1 to
+    /// [`MAX_PARALLELISM`].
     pub fn max_parallelism(mut self, ranges: u32) -> Self {
         self.max_parallelism = ranges;
         self
@@ -173,6 +177,13 @@ impl Leases {
         if self.max_parallelism == 0 {
             return Err(ConfigError::NotPositive {
                 field: "leases.max_parallelism".into(),
+            });
+        }
+        if self.max_parallelism > MAX_PARALLELISM {
+            return Err(ConfigError::OutOfRange {
+                field: "leases.max_parallelism".into(),
+                min: 1,
+                max: u64::from(MAX_PARALLELISM),
             });
         }
         if self.max_attempts == Some(0) {

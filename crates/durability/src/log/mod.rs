@@ -91,7 +91,8 @@ mod store;
 
 pub use cold::{ColdError, ColdStorage, Segment, SegmentRecord};
 pub use leases::{
-    DEFAULT_LEASE, DEFAULT_MAX_PARALLELISM, Lease, Leases, PoisonHook, PoisonedRange,
+    DEFAULT_LEASE, DEFAULT_MAX_PARALLELISM, Lease, Leases, MAX_PARALLELISM, PoisonHook,
+    PoisonedRange,
 };
 pub use retention::{MAX_LOG_BYTES, Retention};
 
