@@ -29,7 +29,7 @@
 //!   a claim the process never ran (a crash, an eviction) counts as an
 //!   attempt, like a crash during the handler.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::rc::{Rc, Weak};
@@ -458,6 +458,7 @@ impl Operations {
               last_error_name, completed_at, generation_id, created_at) \
              VALUES (?, ?, ?, 'pending', NULL, 0, ?, NULL, NULL, NULL, ?, ?) \
              ON CONFLICT(id) DO NOTHING";
+        let tracked = Cell::new(false);
         let registered = engine
             .transaction(|sql| {
                 let inserted = sql.execute(
@@ -492,9 +493,20 @@ impl Operations {
                 } else {
                     None
                 };
+                if claimed.is_some() {
+                    // Running from now on, for the reconcile of this very
+                    // transaction too: it arms no timer for the record the
+                    // eager start is about to run.
+                    engine.track_active(CALLS.name, id);
+                    tracked.set(true);
+                }
                 Ok(Some(claimed))
             })
-            .await?;
+            .await;
+        if registered.is_err() && tracked.get() {
+            engine.release_active(CALLS.name, id);
+        }
+        let registered = registered?;
         let Some(claimed) = registered else {
             return Ok(Registration::Existing);
         };
@@ -529,15 +541,18 @@ impl Operations {
                         %error,
                         "eager operation start failed"
                     );
-                }
-                if let Err(error) = run.engine.schedule_next_alarm().await {
-                    tracing::error!(
-                        event = "durability.background_execution.failed",
-                        operation = %operation,
-                        id = %id,
-                        %error,
-                        "re-arming after an eager start failed"
-                    );
+                    // Every settlement reconciles in its own transaction;
+                    // only a start that failed before one needs a re-arm.
+                    run.engine.release_active(CALLS.name, &id);
+                    if let Err(error) = run.engine.schedule_next_alarm().await {
+                        tracing::error!(
+                            event = "durability.background_execution.failed",
+                            operation = %operation,
+                            id = %id,
+                            %error,
+                            "re-arming after an eager start failed"
+                        );
+                    }
                 }
             };
             engine
@@ -749,8 +764,11 @@ impl Inner {
         platform: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
         if claimed.is_some() {
-            // The claimer starts it now (no await until it is active).
+            // The claimer starts it now (no await until it is active). The
+            // claim marked it running for the timer; `start_execution`
+            // marks it again, with no await in between.
             self.reserved.borrow_mut().remove(id);
+            self.engine.release_active(CALLS.name, id);
         } else if self.reserved.borrow().contains(id) {
             // Claimed for another execution, which is about to start it.
             return Ok(());
@@ -890,22 +908,34 @@ impl Successor for Handoff {
             return Ok(None);
         }
         let max_attempts = inner.policies.resolve(&row.operation).max_attempts;
-        let attempt = claim_attempt(sql, CALLS, &id, &row.generation, max_attempts, None)?;
-        Ok(attempt.map(|attempt| Claimed {
+        let Some(attempt) = claim_attempt(sql, CALLS, &id, &row.generation, max_attempts, None)?
+        else {
+            return Ok(None);
+        };
+        // Taken for this lane now, before the commit (see `Successor`).
+        {
+            let mut queue = self.queue.borrow_mut();
+            if let Some(at) = queue.iter().position(|queued| *queued == id) {
+                queue.remove(at);
+            }
+        }
+        inner.reserved.borrow_mut().insert(id.clone());
+        inner.engine.track_active(CALLS.name, &id);
+        let claimed = Claimed {
             key: id,
             generation: row.generation,
             attempt,
-        }))
+        };
+        *self.taken.borrow_mut() = Some(claimed.clone());
+        Ok(Some(claimed))
     }
 
-    fn committed(&self, claimed: Claimed) {
-        let mut queue = self.queue.borrow_mut();
-        if queue.front() == Some(&claimed.key) {
-            queue.pop_front();
-            if let Some(inner) = self.inner.upgrade() {
-                inner.reserved.borrow_mut().insert(claimed.key.clone());
-            }
-            *self.taken.borrow_mut() = Some(claimed);
+    fn abandon(&self, claimed: &Claimed) {
+        self.taken.borrow_mut().take();
+        self.queue.borrow_mut().push_front(claimed.key.clone());
+        if let Some(inner) = self.inner.upgrade() {
+            inner.reserved.borrow_mut().remove(&claimed.key);
+            inner.engine.release_active(CALLS.name, &claimed.key);
         }
     }
 }

@@ -71,15 +71,6 @@ impl Synchronous {
             Synchronous::Normal | Synchronous::Batched => "NORMAL",
         }
     }
-
-    /// The setting of the alarm index's lowering writes, which must be on
-    /// disk before the object commit they precede.
-    fn index_lowering(self) -> Synchronous {
-        match self {
-            Synchronous::Batched | Synchronous::Full => Synchronous::Full,
-            Synchronous::Normal => Synchronous::Normal,
-        }
-    }
 }
 
 /// Idle objects are evicted after this long by default.
@@ -368,7 +359,7 @@ impl HostBuilder {
         let lock = lock_data_dir(&self.data_dir)?;
         let (index, rebuild) = AlarmIndex::open(
             &self.data_dir,
-            self.synchronous.index_lowering(),
+            self.synchronous,
             images.as_ref().map(|(_, lock)| Arc::clone(lock)),
         )?;
         let index = Arc::new(index);
@@ -622,10 +613,18 @@ impl Host {
         }
         // Closing checkpointed and synced every file; this releases the
         // replies still waiting at their gates.
-        if let Some(group) = &shared.core.group
-            && let Err(error) = group.flush().await
+        let flushed = match &shared.core.group {
+            Some(group) => group.flush().await.map_err(|error| {
+                tracing::warn!(%error, "last flush at shutdown failed");
+            }),
+            None => Ok(()),
+        };
+        // Only a stop that left every commit durable is clean: the next
+        // start then trusts the index even after a reboot.
+        if flushed.is_ok()
+            && let Err(error) = shared.core.index.mark_clean_stop()
         {
-            tracing::warn!(%error, "last flush at shutdown failed");
+            tracing::warn!(%error, "could not record the clean stop in the alarm index");
         }
     }
 

@@ -116,9 +116,36 @@ pub(crate) trait Successor {
     /// Claims the next record inside the completing transaction; `None`
     /// when there is none or it cannot be claimed now (it then runs as
     /// usual). An error leaves the transaction to fail like any other.
+    ///
+    /// A claim takes the record for its lane at once (reserved and marked
+    /// running), before the transaction commits: the commit may yield, and
+    /// neither another pass nor the transaction's own reconcile may see
+    /// the claimed record as free work in the meantime.
     fn claim(&self, sql: &dyn Sql, now: EpochMs) -> Result<Option<Claimed>, StorageError>;
-    /// The completing transaction committed with `claimed`.
-    fn committed(&self, claimed: Claimed);
+    /// The completing transaction failed after `claimed` was taken: give
+    /// the record back (its claim rolled back with the transaction).
+    fn abandon(&self, claimed: &Claimed);
+}
+
+/// How one attempt ended, as [`Engine::run_attempt`] reports it.
+struct Attempted {
+    outcome: Result<(), DurabilityError>,
+    /// Resolves when the handler (if it was started) has really ended.
+    handler_done: Option<oneshot::Receiver<()>>,
+    /// The attempt completed the record, and the completing transaction
+    /// reconciled the alarm: nothing is left to re-arm for this key.
+    completed: bool,
+}
+
+impl Attempted {
+    /// Settled without running the handler.
+    fn settled(outcome: Result<(), DurabilityError>) -> Self {
+        Attempted {
+            outcome,
+            handler_done: None,
+            completed: false,
+        }
+    }
 }
 
 /// One record generation to execute.
@@ -199,6 +226,7 @@ impl Engine {
         let body = async move {
             let mut held = None;
             let mut handler_done = None;
+            let mut completed = false;
             let outcome = match eager_permit {
                 Some(permit) => Ok(permit),
                 None => engine.acquire_permit().await,
@@ -206,9 +234,10 @@ impl Engine {
             let outcome = match outcome {
                 Ok(permit) => {
                     held = Some(permit);
-                    let (outcome, done) = engine.run_attempt(&spec, id).await;
-                    handler_done = done;
-                    outcome
+                    let attempted = engine.run_attempt(&spec, id).await;
+                    handler_done = attempted.handler_done;
+                    completed = attempted.completed;
+                    attempted.outcome
                 }
                 Err(error) => Err(error),
             };
@@ -219,7 +248,7 @@ impl Engine {
             }
             drop(held);
             let _ = settled_tx.send(true);
-            engine.finish_execution(&spec, id).await;
+            engine.finish_execution(&spec, id, completed).await;
         };
         self.ctx.wait_until(Box::pin(body.instrument(span)));
         Box::pin(async move {
@@ -229,7 +258,9 @@ impl Engine {
         })
     }
 
-    async fn finish_execution(self: &Rc<Self>, spec: &ExecutionSpec, id: u64) {
+    /// `completed`: the completing transaction reconciled already, and the
+    /// record is no longer pending, so there is nothing to re-arm for it.
+    async fn finish_execution(self: &Rc<Self>, spec: &ExecutionSpec, id: u64, completed: bool) {
         {
             let mut active = spec.active.borrow_mut();
             if active.get(&spec.key).map(|entry| entry.id) == Some(id) {
@@ -240,9 +271,7 @@ impl Engine {
         // purged generation settling also un-marks a newer running one.
         self.release_active(spec.table.name, &spec.key);
         // Work the timer skipped while this key ran is picked up at its time.
-        if self.live_timers
-            && let Err(error) = self.schedule_next_alarm().await
-        {
+        if !completed && let Err(error) = self.schedule_next_alarm().await {
             tracing::error!(
                 event = "durability.scheduler.refresh_failed",
                 table = spec.table.name,
@@ -253,13 +282,8 @@ impl Engine {
         }
     }
 
-    /// Claims, invokes and settles one attempt. Also returns a receiver that
-    /// resolves when the handler (if it was started) has really ended.
-    async fn run_attempt(
-        self: &Rc<Self>,
-        spec: &ExecutionSpec,
-        id: u64,
-    ) -> (Result<(), DurabilityError>, Option<oneshot::Receiver<()>>) {
+    /// Claims, invokes and settles one attempt.
+    async fn run_attempt(self: &Rc<Self>, spec: &ExecutionSpec, id: u64) -> Attempted {
         // One statement, no alarm change: next_attempt_at stays in the past,
         // so the physical fallback stays armed while the handler runs.
         let claimed = match spec.claimed {
@@ -274,8 +298,8 @@ impl Engine {
             ),
         };
         let attempt = match claimed {
-            Err(error) => return (Err(error.into()), None),
-            Ok(None) => return (self.fail_exhausted(spec).await, None),
+            Err(error) => return Attempted::settled(Err(error.into())),
+            Ok(None) => return Attempted::settled(self.fail_exhausted(spec).await),
             Ok(Some(attempt)) => attempt,
         };
         tracing::Span::current().record("attempt", attempt);
@@ -314,9 +338,11 @@ impl Engine {
                 Err(error)
             }
         };
+        let mut completed = false;
         let outcome = match result {
-            Ok(output) => match self.complete(spec, &output, attempt) {
+            Ok(output) => match self.complete(spec, &output, attempt).await {
                 Ok(Some(timestamp)) => {
+                    completed = true;
                     self.notify(spec.table, &spec.key, Some(&spec.settled_row()));
                     let result = match (&output, spec.include_result) {
                         (Output::Encoded(Ok(text)), true) => {
@@ -338,35 +364,43 @@ impl Engine {
             },
             Err(error) => self.settle_failure(spec, attempt, started_at, error).await,
         };
-        (outcome, Some(done_rx))
+        Attempted {
+            outcome,
+            handler_done: Some(done_rx),
+            completed,
+        }
     }
 
     /// One transaction: a failed memo cleanup must undo the completion, not
-    /// orphan the memos.
-    fn complete(
-        &self,
+    /// orphan the memos. It also reconciles the alarm, so a completion
+    /// needs no commit of its own to re-arm the scheduler.
+    async fn complete(
+        self: &Rc<Self>,
         spec: &ExecutionSpec,
         output: &Output,
         attempt: u32,
     ) -> Result<Option<EpochMs>, HandlerError> {
         let now = self.now();
-        let (completed_at, next) = self.transaction_sync(|sql| {
-            let completed_at = spec.kind.complete(sql, output, attempt, now)?;
-            if completed_at.is_none() {
-                return Ok((None, None));
-            }
-            delete_memos(sql, spec.table, &spec.key)?;
-            let next = match &spec.successor {
-                Some(successor) => successor.claim(sql, now)?,
-                None => None,
-            };
-            Ok::<_, HandlerError>((completed_at, next))
-        })?;
-        // Synchronous: nothing ran between the commit and this hand-off.
-        if let (Some(successor), Some(next)) = (&spec.successor, next) {
-            successor.committed(next);
+        let taken = RefCell::new(None);
+        let completed = self
+            .transaction(|sql| {
+                let completed_at = spec.kind.complete(sql, output, attempt, now)?;
+                if completed_at.is_none() {
+                    return Ok(None);
+                }
+                delete_memos(sql, spec.table, &spec.key)?;
+                if let Some(successor) = &spec.successor {
+                    *taken.borrow_mut() = successor.claim(sql, now)?;
+                }
+                Ok::<_, HandlerError>(completed_at)
+            })
+            .await;
+        if completed.is_err()
+            && let (Some(successor), Some(claimed)) = (&spec.successor, taken.borrow().as_ref())
+        {
+            successor.abandon(claimed);
         }
-        Ok(completed_at)
+        completed
     }
 
     /// Persists a failed attempt as a retry or a terminal failure, with the

@@ -560,7 +560,7 @@ impl Engine {
         refresh
     }
 
-    fn track_active(&self, table: &'static str, key: &str) {
+    pub(crate) fn track_active(&self, table: &'static str, key: &str) {
         self.active_by_table
             .borrow_mut()
             .entry(table)
@@ -568,7 +568,7 @@ impl Engine {
             .insert(key.to_owned());
     }
 
-    fn release_active(&self, table: &'static str, key: &str) {
+    pub(crate) fn release_active(&self, table: &'static str, key: &str) {
         let mut by_table = self.active_by_table.borrow_mut();
         if let Some(keys) = by_table.get_mut(table) {
             keys.remove(key);
@@ -596,11 +596,13 @@ impl Engine {
         let table = participant.table();
         let active = self.active_by_table.borrow();
         let active = active.get(table.name);
-        let limit = if self.live_timers {
-            active.map_or(0, HashSet::len) + 1
-        } else {
-            1
-        };
+        // The timer skips running work in both modes: what runs re-arms
+        // it when it settles (its settling transaction reconciles, and an
+        // execution that leaves its record pending refreshes once it is
+        // no longer running). A timer armed for a running record would
+        // only start a pass that waits for it and then commits an extra
+        // reconcile: one more commit per eager start, measured.
+        let limit = active.map_or(0, HashSet::len) + 1;
         // Covered by the table's (status, next_attempt_at) index.
         let query = format!(
             "SELECT {key} AS pk, next_attempt_at FROM {name} \
@@ -617,10 +619,6 @@ impl Engine {
             let at: EpochMs = row.get(1)?;
             if index == 0 {
                 physical = Some(at);
-            }
-            if !self.live_timers {
-                timer = physical;
-                break;
             }
             let key: Value = row.get(0)?;
             let is_active = match (&key, active) {
