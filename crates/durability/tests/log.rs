@@ -129,6 +129,56 @@ async fn a_cursor_never_decreases() {
     .await;
 }
 
+/// Issue 10: one damaged hot record blocked every trim to cold storage
+/// (the whole pass failed before writing anything). The readable records
+/// before it now move; the pass stops at it with `Decode` naming its
+/// offset, as a read starting there does.
+#[tokio::test(start_paused = true)]
+async fn a_damaged_hot_record_stops_a_cold_trim_only_at_itself() {
+    support::on_harness(|h| async move {
+        let ctx = h.context();
+        let cold = MemoryCold::default();
+        let (_s, b) = builder(&h);
+        let log = b
+            .max_batch_size(10)
+            .retention(Retention::new().max_records(1))
+            .cold(cold.handle())
+            .build()
+            .unwrap();
+        append(&log, records(0, 6)).await;
+        ctx.storage()
+            .execute(
+                "UPDATE durability_log_records SET payload = '{not json' WHERE \"offset\" = 3",
+                &[],
+            )
+            .unwrap();
+        let error = log.trim().await.unwrap_err();
+        assert!(
+            matches!(error, LogError::Decode { offset: 3, .. }),
+            "{error:?}"
+        );
+        // Offsets 0 to 2 went to cold and read back; 3 onwards stay hot.
+        assert_eq!(cold.locators().len(), 1);
+        let page = log.read(Read::from_offset(0)).await.unwrap();
+        assert_eq!(
+            page.records.iter().map(|r| r.offset).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
+        assert!(matches!(
+            log.read_from(3).await,
+            Err(LogError::Decode { offset: 3, .. })
+        ));
+        let page = log.read(Read::from_offset(4)).await.unwrap();
+        assert_eq!(page.records[0].offset, 4);
+        // Again: nothing more moves, the same typed error.
+        assert!(matches!(
+            log.trim().await,
+            Err(LogError::Decode { offset: 3, .. })
+        ));
+    })
+    .await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn read_never_skips_a_readable_record() {
     support::on_harness(|h| async move {

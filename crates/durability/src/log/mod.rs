@@ -61,7 +61,12 @@
 //!   naming its offset, and nothing else. The consumer decides: skip it by
 //!   reading from `offset + 1` and committing past it (leased consumers
 //!   skip it with [`Log::commit`] too), or read it with a wider body type
-//!   (`serde_json::Value`) to migrate it. Appends refuse anything the
+//!   (`serde_json::Value`) to migrate it. With cold storage, a hot record
+//!   whose stored text is not the codec's (damage) cannot go into a
+//!   segment: a trim moves the records before it and stops there with
+//!   [`LogError::Decode`] naming it (logged as
+//!   `durability.log.trim_blocked`); until its row is repaired, the hot
+//!   table keeps it and everything after it. Appends refuse anything the
 //!   decoder could not read back ([`crate::codec::MAX_NESTING_DEPTH`]), so
 //!   only a type change or damage produces such a record. A leased range
 //!   is allocated only over records that decode; if one of its records

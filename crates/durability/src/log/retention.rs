@@ -202,7 +202,36 @@ pub(super) async fn trim(inner: &Inner) -> Result<u64, LogError> {
                 appended_at: record.appended_at,
             })
             .collect();
-        let taken = condemned_prefix(&limits, &candidates, hot_count, seq.total_bytes, cutoff);
+        let mut taken = condemned_prefix(&limits, &candidates, hot_count, seq.total_bytes, cutoff);
+        if inner.cold.is_some() {
+            // A stored record that does not decode cannot go into a
+            // segment. The readable records before it still go; the pass
+            // then stops at it with its offset (as a read that starts at
+            // it does), instead of moving nothing at all.
+            if let Some(bad) = oldest[..taken]
+                .iter()
+                .position(|record| codec::decode(&record.payload).is_err())
+            {
+                if bad == 0 {
+                    let record = &oldest[0];
+                    let detail = codec::decode(&record.payload)
+                        .err()
+                        .map(|error| error.to_string())
+                        .unwrap_or_default();
+                    tracing::error!(
+                        event = "durability.log.trim_blocked",
+                        offset = record.offset,
+                        %detail,
+                        "a hot record that does not decode cannot move to cold storage"
+                    );
+                    return Err(LogError::Decode {
+                        offset: record.offset,
+                        detail,
+                    });
+                }
+                taken = bad;
+            }
+        }
         let prefix = &oldest[..taken];
         let (Some(first), Some(last)) = (prefix.first(), prefix.last()) else {
             break;
