@@ -1389,8 +1389,16 @@ impl Cx {
                 return Ok(());
             }
         };
+        // The steps below sleep at most 50 ticks of an interval schedule:
+        // a 1 ms schedule slept through for hours is a storm of millions
+        // of ticks (a legitimate one, but it costs the run half its hang
+        // timeout of CPU per case).
+        let mut max_step_ms: u64 = 7_200_000;
         let recurrence = if self.fx.chance(0.5) {
-            durability::alarms::Recurrence::every(self.fx.duration("every"))
+            let every = self.fx.duration("every");
+            let every_ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX);
+            max_step_ms = max_step_ms.min(every_ms.saturating_mul(50)).max(1);
+            durability::alarms::Recurrence::every(every)
         } else {
             let expression = self.fx.pick(&[
                 "* * * * *",
@@ -1471,7 +1479,8 @@ impl Cx {
                 0 => alarms.pause(&name).await.map(|p| format!("{p}")),
                 1 => alarms.resume(&name).await.map(|at| format!("{at}")),
                 _ => {
-                    tokio::time::sleep(Duration::from_secs(self.fx.range_u64(1, 7_200))).await;
+                    let step = self.fx.range_u64(1, max_step_ms);
+                    tokio::time::sleep(Duration::from_millis(step)).await;
                     Ok("slept".into())
                 }
             };
