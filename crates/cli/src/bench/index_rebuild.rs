@@ -93,6 +93,10 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         })?;
         runtime.block_on(start(&dir, objects, Some(RebuildReason::Corrupt)))
     })?;
+    let unclean = median_of(ROUNDS, || {
+        mark_unclean_on_another_boot(&dir)?;
+        runtime.block_on(start(&dir, objects, Some(RebuildReason::UncleanReboot)))
+    })?;
 
     for (name, what, elapsed, key, label) in [
         (
@@ -115,6 +119,13 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             garbage,
             "start_rebuild_garbage_index_s",
             "start rebuilding a garbage index",
+        ),
+        (
+            "start/unclean-reboot",
+            "HostBuilder::build after a group-commit run that did not stop cleanly, on another boot",
+            unclean,
+            "start_rebuild_unclean_reboot_s",
+            "start rebuilding after an unclean stop and a reboot",
         ),
     ] {
         let mut measurement =
@@ -196,6 +207,21 @@ async fn start(
         });
     }
     Ok(elapsed)
+}
+
+/// Leaves the index as a power loss and a reboot would: the last run
+/// recorded no clean stop, on a boot that is not this one.
+fn mark_unclean_on_another_boot(dir: &Path) -> Result<(), BenchError> {
+    let sqlite = |source| BenchError::Sqlite {
+        what: "cannot mark the index as left by an unclean stop",
+        source,
+    };
+    let conn = Connection::open(dir.join(INDEX_FILE)).map_err(sqlite)?;
+    conn.execute_batch(
+        "INSERT OR REPLACE INTO host_run (key, value) VALUES ('clean', '0');
+         INSERT OR REPLACE INTO host_run (key, value) VALUES ('boot_id', 'a-boot-before-the-power-loss');",
+    )
+    .map_err(sqlite)
 }
 
 fn remove_index(dir: &Path) -> Result<(), BenchError> {
