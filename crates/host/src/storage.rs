@@ -266,6 +266,19 @@ impl ObjectStorage {
         if let Ok(mut conn) = self.conn.try_borrow_mut() {
             conn.take();
         }
+        // Closing checkpointed the file (and synced it), so its alarm is
+        // durable: the index may now follow a later or cleared alarm.
+        let alarm = self.alarm.get();
+        if self.indexed.get() != alarm {
+            if let Err(error) =
+                self.index
+                    .set(&self.id, &self.namespace, alarm, IndexWrite::Relaxed)
+            {
+                // Left early or stale: at most a spurious wake.
+                tracing::warn!(object = %self.id, %error, "alarm index update at close failed");
+            }
+            self.indexed.set(alarm);
+        }
     }
 
     /// The committed alarm, ignoring the firing rule (for the host).
@@ -476,10 +489,9 @@ impl ObjectStorage {
         self.alarm.set(alarm);
         self.hidden.set(false);
         self.changed.set(true);
-        if self.indexed.get() != alarm {
-            self.index_after_commit(alarm, false);
-            self.indexed.set(alarm);
-        }
+        // The index was lowered before the commit if it had to be; a later
+        // or cleared alarm reaches the index when the object closes (see
+        // `close` and the index's module docs).
         if let Some(executor) = self.executor.upgrade() {
             executor.alarm_changed(&self.id, &self.namespace, alarm);
         }
