@@ -42,6 +42,19 @@ const SETUP_SQL: &str = "
         at_ms INTEGER NOT NULL
     );";
 
+/// The page size of new object files (existing files keep theirs).
+///
+/// Every commit writes each page it touched to the WAL whole, and the
+/// flusher writes them back and syncs them; an operation touches about
+/// five pages per commit (its row, the row's indexes, the alarm). With
+/// rows of a few hundred bytes, 2 KiB pages halve the bytes written per
+/// commit against SQLite's default of 4 KiB. Measured on `bench
+/// operations` (default mode, 100 objects, 64 callers; three interleaved
+/// runs each on a busy disk): median 4,470 ops/s at 4 KiB, 6,214 at
+/// 2 KiB, 6,078 at 1 KiB. 2 KiB rather than 1 KiB keeps large bodies in
+/// half as many overflow pages.
+const OBJECT_PAGE_SIZE: i64 = 2048;
+
 /// Prepared statements kept per connection; capabilities use a few dozen
 /// distinct statements, and a miss costs a re-prepare, not a failure.
 const STATEMENT_CACHE_CAPACITY: usize = 128;
@@ -129,8 +142,11 @@ impl ObjectStorage {
                 | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )
         .map_err(storage_error)?;
-        // A no-op read on a file made from the template; a real switch (one
-        // rollback-journal transaction) only where the template was not used.
+        // No-ops on a file made from the template (the page size of a
+        // database that has pages cannot change); a new file where the
+        // template was not used gets both.
+        conn.pragma_update(None, "page_size", OBJECT_PAGE_SIZE)
+            .map_err(storage_error)?;
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(storage_error)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
@@ -249,6 +265,19 @@ impl ObjectStorage {
         let _files = self.group.as_ref().and_then(|g| g.hold_files());
         if let Ok(mut conn) = self.conn.try_borrow_mut() {
             conn.take();
+        }
+        // Closing checkpointed the file (and synced it), so its alarm is
+        // durable: the index may now follow a later or cleared alarm.
+        let alarm = self.alarm.get();
+        if self.indexed.get() != alarm {
+            if let Err(error) =
+                self.index
+                    .set(&self.id, &self.namespace, alarm, IndexWrite::Relaxed)
+            {
+                // Left early or stale: at most a spurious wake.
+                tracing::warn!(object = %self.id, %error, "alarm index update at close failed");
+            }
+            self.indexed.set(alarm);
         }
     }
 
@@ -460,10 +489,9 @@ impl ObjectStorage {
         self.alarm.set(alarm);
         self.hidden.set(false);
         self.changed.set(true);
-        if self.indexed.get() != alarm {
-            self.index_after_commit(alarm, false);
-            self.indexed.set(alarm);
-        }
+        // The index was lowered before the commit if it had to be; a later
+        // or cleared alarm reaches the index when the object closes (see
+        // `close` and the index's module docs).
         if let Some(executor) = self.executor.upgrade() {
             executor.alarm_changed(&self.id, &self.namespace, alarm);
         }
@@ -595,7 +623,8 @@ fn make_template(dir: &Path) -> Option<Vec<u8>> {
     let made = (|| -> Result<Vec<u8>, String> {
         let conn = Connection::open(&scratch).map_err(|e| e.to_string())?;
         // A scratch file read back at once: no fsync needed.
-        conn.pragma_update(None, "synchronous", "OFF")
+        conn.pragma_update(None, "page_size", OBJECT_PAGE_SIZE)
+            .and_then(|()| conn.pragma_update(None, "synchronous", "OFF"))
             .and_then(|()| conn.pragma_update(None, "journal_mode", "WAL"))
             .and_then(|()| conn.execute_batch(SETUP_SQL))
             .map_err(|e| e.to_string())?;

@@ -367,3 +367,76 @@ async fn a_full_mode_run_syncs_its_lowerings_and_needs_no_rebuild_after_a_reboot
     assert_eq!(log, vec![(IN_A_MINUTE, 0)]);
     assert_eq!(rebuild, None, "a FULL run records itself as clean");
 }
+
+fn indexed_at(dir: &Path, id: &durability_platform::ObjectId) -> Option<i64> {
+    let conn = rusqlite::Connection::open(dir.join(INDEX_FILE)).unwrap();
+    conn.query_row(
+        "SELECT at_ms FROM alarms WHERE id = ?1",
+        [id.as_str()],
+        |row| row.get(0),
+    )
+    .ok()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_later_or_cleared_alarm_reaches_the_index_when_its_object_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    local(async {
+        let host = host_at(dir.path(), START_MS).unwrap();
+        let stub = notes(&host).stub("armed").unwrap();
+        let set = |at: i64| {
+            let stub = stub.clone();
+            async move {
+                stub.call(move |o: Rc<Notes>| async move { o.ctx.storage().set_alarm(at).await })
+                    .await
+                    .unwrap()
+                    .unwrap();
+            }
+        };
+        set(IN_A_MINUTE).await;
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            Some(IN_A_MINUTE),
+            "lowered first"
+        );
+        set(IN_A_MINUTE + 5_000).await;
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            Some(IN_A_MINUTE),
+            "a later alarm leaves the index early while the object is live"
+        );
+        stub.call(|o: Rc<Notes>| async move { o.ctx.storage().delete_alarm().await })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            Some(IN_A_MINUTE),
+            "stale, not missing"
+        );
+        set(IN_A_MINUTE - 5_000).await;
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            Some(IN_A_MINUTE - 5_000),
+            "an earlier alarm lowers the index before its commit"
+        );
+        set(IN_A_MINUTE + 9_000).await;
+        host.evict(stub.id()).await.unwrap();
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            Some(IN_A_MINUTE + 9_000),
+            "exact once the object closed"
+        );
+        stub.call(|o: Rc<Notes>| async move { o.ctx.storage().delete_alarm().await })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+        assert_eq!(
+            indexed_at(dir.path(), stub.id()),
+            None,
+            "cleared at shutdown"
+        );
+    })
+    .await;
+}
