@@ -842,8 +842,13 @@ impl Inner {
         now: EpochMs,
         info: Option<AlarmInfo>,
     ) -> Vec<(String, Result<(), DurabilityError>)> {
+        // No more lanes than ids: a lane without an id ends at once, but
+        // thousands of them (alarm_concurrency goes up to 10,000) made
+        // every pass allocate and poll them all (fuzz seed 1000001 case
+        // 956589 spun on that).
+        let lanes = self.engine.alarm_concurrency.clamp(1, ids.len().max(1));
         let queue = Rc::new(RefCell::new(VecDeque::from(ids)));
-        let lanes = (0..self.engine.alarm_concurrency.max(1)).map(|_| {
+        let lanes = (0..lanes).map(|_| {
             let queue = Rc::clone(&queue);
             async move {
                 let mut results = Vec::new();
