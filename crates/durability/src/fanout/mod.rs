@@ -230,7 +230,7 @@ use crate::migrations::{
 };
 use crate::record::DurableTable;
 use crate::retry::{Delay, Policies, PolicyOptions, whole_millis};
-use crate::scheduler::{Engine, Participant, Scheduler};
+use crate::scheduler::{Engine, Participant, PendingTimes, Scheduler};
 use crate::trace::TraceCapture;
 use batch::SettleState;
 use dispatch::Lanes;
@@ -745,13 +745,26 @@ impl<B> Inner<B> {
     /// ends. Otherwise a retry coming due while its target's batch is out
     /// would fire the timer again and again, each run only joining the
     /// running pass.
-    fn next_due(&self, sql: &dyn Sql) -> Result<Option<EpochMs>, StorageError> {
+    /// (the earliest time the physical alarm must cover; the earliest time
+    /// for the timer). A running target's times that are due now are left
+    /// out of the timer (its pass re-runs it, see `deferred`) but not out
+    /// of the physical alarm: if the process dies during the pass, the
+    /// alarm is what brings the owed deliveries back.
+    fn next_due(&self, sql: &dyn Sql) -> Result<PendingTimes, StorageError> {
         let now = self.engine.now();
         let gates = self.gates.borrow();
         let running = self.running.borrow();
+        let mut physical: Option<EpochMs> = None;
         let mut earliest: Option<EpochMs> = None;
         for due in store::next_due_by_target(sql)? {
+            let gated = |at: EpochMs| match gates.get(&due.target) {
+                Some(gate) => at.max(gate.next_token_at(now, self.max_batch_size)),
+                None => at,
+            };
             let times = [due.cursor, due.exceptions].into_iter().flatten();
+            if let Some(at) = times.clone().min().map(gated) {
+                physical = Some(physical.map_or(at, |p| p.min(at)));
+            }
             let at = if running.contains_key(&due.target) {
                 let (later, now_due): (Vec<EpochMs>, Vec<EpochMs>) =
                     times.partition(|at| *at > now);
@@ -762,16 +775,12 @@ impl<B> Inner<B> {
             } else {
                 times.min()
             };
-            let Some(at) = at else {
+            let Some(at) = at.map(gated) else {
                 continue;
-            };
-            let at = match gates.get(&due.target) {
-                Some(gate) => at.max(gate.next_token_at(now, self.max_batch_size)),
-                None => at,
             };
             earliest = Some(earliest.map_or(at, |e| e.min(at)));
         }
-        Ok(earliest)
+        Ok((physical, earliest))
     }
 
     async fn set_paused(&self, target: &str, paused: bool) -> Result<(), FanoutError> {
@@ -838,10 +847,7 @@ where
         Box::pin(async move { self.run_due().await.map_err(DurabilityError::from) })
     }
 
-    fn custom_next_pending_at(
-        &self,
-        sql: &dyn Sql,
-    ) -> Option<Result<Option<EpochMs>, StorageError>> {
+    fn custom_pending_times(&self, sql: &dyn Sql) -> Option<Result<PendingTimes, StorageError>> {
         Some(self.next_due(sql))
     }
 }

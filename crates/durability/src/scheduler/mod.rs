@@ -65,6 +65,10 @@ pub const MAX_ALARM_MIN_DELAY: Duration = Duration::from_millis(15_000);
 /// alarm: one minute inside the platform's 15-minute wall-time limit.
 pub const DEFAULT_ALARM_HANDOFF: Duration = Duration::from_millis(14 * 60_000);
 
+/// (the earliest time the physical alarm must cover, the earliest time
+/// for the in-memory timer) of a participant.
+pub(crate) type PendingTimes = (Option<EpochMs>, Option<EpochMs>);
+
 /// Details of a failed alarm run, handed to the `on_alarm_retry` hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AlarmRetryInfo {
@@ -312,6 +316,16 @@ pub(crate) trait Participant {
         _sql: &dyn Sql,
     ) -> Option<Result<Option<EpochMs>, StorageError>> {
         None
+    }
+
+    /// Like [`Participant::custom_next_pending_at`], as (the earliest time
+    /// the physical alarm must cover, running work included; the earliest
+    /// time for the timer). Override where running work is left out of the
+    /// timer's time: the physical alarm is the fallback if the process dies
+    /// while that work runs. The default uses one time for both.
+    fn custom_pending_times(&self, sql: &dyn Sql) -> Option<Result<PendingTimes, StorageError>> {
+        self.custom_next_pending_at(sql)
+            .map(|at| at.map(|at| (at, at)))
     }
 
     /// True while the participant keeps an alarm invocation open to run its
@@ -586,11 +600,13 @@ impl Engine {
         participant: &dyn Participant,
         sql: &dyn Sql,
     ) -> Result<(Option<EpochMs>, Option<EpochMs>), StorageError> {
-        if let Some(custom) = participant.custom_next_pending_at(sql) {
-            return Ok(match custom? {
-                None => (None, None),
-                Some(at) if participant.holding() => (Some(at), None),
-                Some(at) => (Some(at), Some(at)),
+        if let Some(custom) = participant.custom_pending_times(sql) {
+            let (physical, timer) = custom?;
+            let physical = min_time(physical, timer);
+            return Ok(if participant.holding() {
+                (physical, None)
+            } else {
+                (physical, timer)
             });
         }
         let table = participant.table();
