@@ -256,6 +256,17 @@ fn as_after_power_loss(dir: &Path, boot_id: &str, lose_alarms: bool) {
     }
 }
 
+/// What the index records about whether the last run stopped cleanly.
+fn recorded_clean(dir: &Path) -> String {
+    let conn = rusqlite::Connection::open(dir.join(INDEX_FILE)).unwrap();
+    conn.query_row(
+        "SELECT value FROM host_run WHERE key = 'clean'",
+        [],
+        |row| row.get(0),
+    )
+    .unwrap()
+}
+
 fn this_boot() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|id| id.trim().to_owned())
@@ -295,15 +306,12 @@ async fn an_unclean_stop_on_the_same_boot_keeps_the_index_a_process_crash_loses_
 async fn a_clean_shutdown_is_recorded_so_a_reboot_alone_rebuilds_nothing() {
     let dir = tempfile::tempdir().unwrap();
     arm(dir.path()).await;
+    assert_eq!(
+        recorded_clean(dir.path()),
+        "1",
+        "shutdown recorded a clean stop"
+    );
     let conn = rusqlite::Connection::open(dir.path().join(INDEX_FILE)).unwrap();
-    let clean: String = conn
-        .query_row(
-            "SELECT value FROM host_run WHERE key = 'clean'",
-            [],
-            |row| row.get(0),
-        )
-        .unwrap();
-    assert_eq!(clean, "1", "shutdown recorded a clean stop");
     conn.execute(
         "UPDATE host_run SET value = 'another-boot' WHERE key = 'boot_id'",
         [],
@@ -320,16 +328,11 @@ async fn a_running_group_commit_host_is_recorded_as_not_stopped_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     local(async {
         let host = host_at(dir.path(), START_MS).unwrap();
-        let conn = rusqlite::Connection::open(dir.path().join(INDEX_FILE)).unwrap();
-        let clean: String = conn
-            .query_row(
-                "SELECT value FROM host_run WHERE key = 'clean'",
-                [],
-                |row| row.get(0),
-            )
-            .unwrap();
-        assert_eq!(clean, "0", "recorded before any object opens");
-        drop(conn);
+        assert_eq!(
+            recorded_clean(dir.path()),
+            "0",
+            "recorded before any object opens"
+        );
         host.shutdown().await;
     })
     .await;
