@@ -998,6 +998,10 @@ struct OperationAttempt {
 }
 
 impl AttemptKind for OperationAttempt {
+    fn completion_ends_the_record(&self) -> bool {
+        true
+    }
+
     fn exhausted_error(&self) -> HandlerError {
         HandlerError::attempts_exhausted("operation", &self.operation, self.max_attempts)
     }

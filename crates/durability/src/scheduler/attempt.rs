@@ -88,6 +88,14 @@ pub(crate) trait AttemptKind {
     /// A kind-specific terminal rule beyond non-retryable errors and
     /// exhausted attempts.
     fn is_terminal(&self, error: &HandlerError) -> bool;
+    /// Whether a successful completion always takes the record out of
+    /// `pending` (an operation). A named alarm may stay pending for its
+    /// next occurrence (a recurring schedule): its key was still running
+    /// when the completing transaction reconciled, so the timer must be
+    /// re-armed once it no longer runs.
+    fn completion_ends_the_record(&self) -> bool {
+        false
+    }
     /// Runs inside the transaction that just made this generation terminal
     /// (failed or exhausted), after the failure is written. Recurring named
     /// alarms move on to their next occurrence here; the default keeps the
@@ -342,7 +350,7 @@ impl Engine {
         let outcome = match result {
             Ok(output) => match self.complete(spec, &output, attempt).await {
                 Ok(Some(timestamp)) => {
-                    completed = true;
+                    completed = spec.kind.completion_ends_the_record();
                     self.notify(spec.table, &spec.key, Some(&spec.settled_row()));
                     let result = match (&output, spec.include_result) {
                         (Output::Encoded(Ok(text)), true) => {
