@@ -650,3 +650,35 @@ async fn purge_before_removes_a_schedule_with_its_occurrence() {
     })
     .await;
 }
+
+/// Ticks closer together than the physical alarm's minimum distance (15 s
+/// by default) run from the in-memory timer at their own times: the
+/// completing transaction of a tick reconciles while the tick still runs,
+/// and the next occurrence must still get its timer.
+#[tokio::test(start_paused = true)]
+async fn ticks_closer_than_the_physical_alarm_run_at_their_own_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = Plan {
+        schedules: vec![("fast", Recurrence::every(Duration::from_secs(2)).unwrap())],
+        failures_per_tick: 0,
+    };
+    tokio::task::LocalSet::new()
+        .run_until(async {
+            let start = MONDAY_MS;
+            let (host, objects) = open(dir.path(), start, &plan).await;
+            sleep_until(&host, start + 9_000).await;
+            let runs = on_object(&objects, |o| runs(o.ctx.storage(), "fast")).await;
+            assert!(
+                runs.len() >= 4,
+                "a tick every 2 s for 9 s, not one per physical alarm: {runs:?}"
+            );
+            for run in &runs {
+                assert!(
+                    run.ran_at - run.tick < 1_000,
+                    "each tick ran at its own time: {run:?}"
+                );
+            }
+            host.shutdown().await;
+        })
+        .await;
+}
