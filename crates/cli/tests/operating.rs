@@ -71,6 +71,14 @@ fn data_dir_with_objects(dir: &Path, n: usize) {
         }
         host.shutdown().await;
     });
+    // The host's executor thread closes the index a moment after shutdown
+    // returns (its close checkpoints and removes the -wal): wait for it,
+    // so no test races that close.
+    let wal = dir.join("index.sqlite-wal");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while wal.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// Every object file under `dir`.
@@ -171,15 +179,9 @@ fn inspect_reads_a_read_only_data_directory() {
 #[test]
 fn logs_on_a_redirected_stderr_carry_no_colour_codes() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    // data_dir_with_objects waited for the index's close, so its
+    // checkpoint cannot overwrite the garbage.
     data_dir_with_objects(dir.path(), 2);
-    // The old host's executor thread closes the index a moment after
-    // shutdown returns (its close checkpoints and removes the -wal); the
-    // garbage must not be overwritten by that checkpoint.
-    let wal = dir.path().join("index.sqlite-wal");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while wal.exists() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
     // Garbage in the index: the next host rebuilds it and warns.
     std::fs::write(dir.path().join("index.sqlite"), vec![7_u8; 4096])
         .unwrap_or_else(|e| panic!("{e}"));
