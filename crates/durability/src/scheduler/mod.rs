@@ -680,9 +680,17 @@ impl Engine {
     /// rows that costs where the platform keeps the alarm in SQL: the
     /// stall guard ([`Engine::stalled`]) must not take re-arming the alarm
     /// for progress (a reconcile during a pass may delete it, the pass's
-    /// deferred one set it again, on every run of a stalled loop).
+    /// deferred one set it again, on every run of a stalled loop). Only
+    /// writes during an alarm run are counted: the guard compares counts
+    /// taken at a run's start and end, and the count costs two queries,
+    /// which the eager path (a registration and its completion, each
+    /// moving the alarm) should not pay.
     fn write_alarm(&self, txn: &dyn Transaction, at: Option<EpochMs>) -> Result<(), StorageError> {
-        let before = self.total_changes();
+        let before = if self.in_run.get() > 0 {
+            self.total_changes()
+        } else {
+            None
+        };
         match at {
             Some(at) => txn.set_alarm(at)?,
             None => txn.delete_alarm()?,
