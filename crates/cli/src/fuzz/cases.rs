@@ -185,11 +185,21 @@ pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
     };
     // Each of a case's (at most 6) waits may spend the budget.
     let limit = VIRTUAL_BUDGET * 8;
+    let cpu_before = super::child::cpu_time();
+    let attempts_before = ATTEMPTS.load(Ordering::Relaxed);
     match tokio::time::timeout(limit, cx.run(kind)).await {
         Ok(verdict) => verdict,
+        // What it spent tells a wait that never ends (little CPU, few
+        // attempts) from work that kept virtual time moving.
         Err(_) => Err(format!(
-            "hang: the case did not finish within {} virtual days",
-            limit.as_secs() / 86_400
+            "hang: the case did not finish within {} virtual days ({:.3} s of CPU time, {} handler calls meanwhile)",
+            limit.as_secs() / 86_400,
+            super::child::cpu_time()
+                .saturating_sub(cpu_before)
+                .as_secs_f64(),
+            ATTEMPTS
+                .load(Ordering::Relaxed)
+                .saturating_sub(attempts_before)
         )),
     }
 }
@@ -1655,27 +1665,38 @@ impl Cx {
             }
         }
         // Drive the damaged capability and read it every way there is.
+        // Each await is noted first: a case that hangs names the call it
+        // hung in (seed 20261202 case 364445 hung here once, for 16
+        // virtual days, and passed when replayed alone at its clock).
         for round in 0..6 {
+            self.fx.note(format!("round {round}: scheduler alarm"));
             let _ = scheduler.alarm(None).await;
             let _ = ops.result::<Value>("echo", "op-1");
+            self.fx.note(format!("round {round}: operation wait"));
             let _ = ops
                 .wait::<Value>("echo", "op-1", Duration::from_millis(10))
                 .await;
             let _ = fanout.parked(None, 100);
             let _ = fanout.load();
+            self.fx.note(format!("round {round}: log reads"));
             let _ = log.read(Read::from_offset(0)).await;
             let _ = log.read(Read::from_offset(1)).await;
             let _ = log.bounds().await;
             let _ = log.cursors().await;
+            self.fx.note(format!("round {round}: log lease"));
             if let Ok(Some(lease)) = log.lease("c", None).await {
+                self.fx.note(format!("round {round}: log ack"));
                 let _ = log.ack("c", &lease.batch_id).await;
             }
+            self.fx.note(format!("round {round}: log trim"));
             let _ = log.trim().await;
             if round == 3 {
+                self.fx.note("round 3: purges");
                 let _ = ops.purge_before(self.now() + 1).await;
                 let _ = alarms.purge_before(self.now() + 1).await;
                 let _ = fanout.purge_parked_before(self.now() + 1);
             }
+            self.fx.note(format!("round {round}: sleep"));
             tokio::time::sleep(Duration::from_secs(4u64.pow(round))).await;
         }
         Ok(())

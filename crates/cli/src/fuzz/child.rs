@@ -320,7 +320,7 @@ struct Storm {
 /// The CPU time this process has used so far (like the supervisor, the
 /// storm budget counts CPU time, so a child starved by other work on the
 /// machine does not end a slow case early).
-fn cpu_time() -> Duration {
+pub(super) fn cpu_time() -> Duration {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -27,7 +27,11 @@
 //! Times matter too (where an interval's ticks or a cron's fall relative
 //! to now), so the hosts' clocks start at an origin drawn from the seed,
 //! never at the system time, and each case reports the clock it began at
-//! (`clock_ms`); `--clock-ms T` starts a replay there. After the run,
+//! (`clock_ms`); `--clock-ms T` starts a replay there. (A range run again
+//! does not meet the same clocks: the virtual time of the cases before a
+//! case adds up to its clock, and a retry storm ends after a budget of
+//! CPU time, at whatever virtual time it reached. The reported clock is
+//! what replays a case.) After the run,
 //! every failed case runs once more alone at its clock, and the report
 //! says whether it failed again (`reproduces_alone`): a case that passes
 //! alone depends on the cases before it in its child, or on timing.
