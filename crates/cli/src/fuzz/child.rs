@@ -1,7 +1,7 @@
 //! `durability fuzz-child`: runs cases `--from..--to` of one seed, one
 //! fresh object each, on an inline host over paused tokio time, and prints
-//! one line per case event on stdout (flushed): `B <case> <kind>` when it
-//! begins, `O <case> <kind>` when it passed, `F <json>` when it failed, and
+//! one line per case event on stdout (flushed): `B <case> <kind> <clock_ms>`
+//! when it begins, `O <case> <kind>` when it passed, `F <json>` when it failed, and
 //! in trace mode `T <input>` before each input is used.
 
 use std::cell::RefCell;
@@ -39,6 +39,35 @@ pub struct ChildArgs {
     /// it ends there and passes (see the module docs of `fuzz`).
     #[arg(long, default_value_t = 30_000)]
     storm_after_ms: u64,
+    /// Start the first case at this host clock (epoch ms) instead of at
+    /// the seed's origin: replays a case at the time it first ran.
+    #[arg(long)]
+    clock_ms: Option<i64>,
+}
+
+/// 2026-01-01T00:00:00Z. The hosts' clocks start at it plus an offset
+/// drawn from the seed, never at the system time: a case's times (and so
+/// where an interval's or a cron's ticks fall) repeat with its seed, and
+/// every case reports the clock it started at (`B` line, `clock at start`
+/// input), which `--clock-ms` replays.
+const FUZZ_EPOCH_MS: i64 = 1_767_225_600_000;
+
+/// The span the seed's offset is drawn from: a leap year and a bit, so
+/// runs of different seeds start at every time of day and of the year.
+const ORIGIN_SPAN_MS: u64 = 400 * 86_400_000;
+
+/// A replayed case's hosts start this long before its clock, then time is
+/// advanced to it (the template's migrations run in between).
+const REPLAY_LEAD_MS: i64 = 3_600_000;
+
+/// Where the hosts' clocks start.
+fn clock_origin(seed: u64, replay_at: Option<i64>) -> i64 {
+    match replay_at {
+        Some(at) => at.saturating_sub(REPLAY_LEAD_MS).max(0),
+        None => FUZZ_EPOCH_MS.saturating_add(
+            i64::try_from(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) % ORIGIN_SPAN_MS).unwrap_or(0),
+        ),
+    }
 }
 
 /// Handler calls a case must make after its real-time budget to count as
@@ -50,6 +79,8 @@ const STORM_ATTEMPTS: u64 = 100;
 pub struct FailureLine {
     pub case: u64,
     pub kind: String,
+    /// The host clock when the case began.
+    pub clock_ms: i64,
     pub error: String,
     pub input: Vec<String>,
 }
@@ -151,10 +182,12 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
         // mode (output gates, the flusher) is fuzzed beside FULL and
         // NORMAL.
         let mut hosts = Vec::new();
+        let origin = clock_origin(args.seed, args.clock_ms);
         for (mode, name) in HOST_MODES {
             let host = Host::builder(args.data_dir.join(name))
                 .threads(0)
                 .synchronous(mode)
+                .clock_start_ms(origin)
                 .idle_timeout(Duration::from_secs(400 * 86_400))
                 .build()
                 .map_err(|e| setup(e.to_string()))?;
@@ -177,6 +210,13 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
             Ok(template) => template,
             Err(message) => return Err(setup(message)),
         };
+        if let Some(at) = args.clock_ms {
+            let ahead = at.saturating_sub(first_host.now_ms());
+            if ahead > 0 {
+                tokio::time::advance(Duration::from_millis(u64::try_from(ahead).unwrap_or(0)))
+                    .await;
+            }
+        }
         for case in args.from..args.to {
             let injected = inject.and_then(|(at, kind)| (at == case).then_some(kind));
             let storm = Storm {
@@ -359,8 +399,10 @@ async fn run_case(run: CaseRun<'_>, storm: Storm) {
     let mut fx = Fx::new(seed, case, trace);
     let kind = fx.below(KINDS.len());
     let kind_name = cases::kind_name(kind);
-    emit(&format!("B {case} {kind_name}"));
+    let clock_ms = host.now_ms();
+    emit(&format!("B {case} {kind_name} {clock_ms}"));
     fx.note(format!("case kind: {kind_name}"));
+    fx.note(format!("clock at start: {clock_ms} ms"));
     fx.note(format!("host commit mode: {mode}"));
     let steps: Arc<Mutex<Vec<String>>> = fx.shared_trace();
     let storm_steps = Arc::clone(&steps);
@@ -427,13 +469,14 @@ async fn run_case(run: CaseRun<'_>, storm: Storm) {
             let line = FailureLine {
                 case,
                 kind: kind_name.to_owned(),
+                clock_ms,
                 error,
                 input,
             };
             match serde_json::to_string(&line) {
                 Ok(json) => emit(&format!("F {json}")),
                 Err(_) => emit(&format!(
-                    "F {{\"case\":{case},\"kind\":\"{kind_name}\",\"error\":\"unencodable\",\"input\":[]}}"
+                    "F {{\"case\":{case},\"kind\":\"{kind_name}\",\"clock_ms\":{clock_ms},\"error\":\"unencodable\",\"input\":[]}}"
                 )),
             }
         }

@@ -24,6 +24,13 @@
 //!
 //! Case `i` of seed `S` draws its inputs from a generator seeded by
 //! `(S, i)` only: `--seed S --from i --cases 1` runs it again alone.
+//! Times matter too (where an interval's ticks or a cron's fall relative
+//! to now), so the hosts' clocks start at an origin drawn from the seed,
+//! never at the system time, and each case reports the clock it began at
+//! (`clock_ms`); `--clock-ms T` starts a replay there. After the run,
+//! every failed case runs once more alone at its clock, and the report
+//! says whether it failed again (`reproduces_alone`): a case that passes
+//! alone depends on the cases before it in its child, or on timing.
 //!
 //! **Retry storms are not hangs.** Options a user may set (a retry delay
 //! of 0 ms with 2e9 attempts, a handler that always fails) ask for a storm
@@ -90,6 +97,11 @@ pub struct FuzzArgs {
     /// (`storm@I`), to show it is not taken for a hang.
     #[arg(long, hide = true, value_name = "KIND@I")]
     inject: Option<String>,
+    /// Start the first case at this host clock (epoch ms) instead of at
+    /// the seed's origin: a failure's `clock_ms`, to replay it exactly
+    /// (`--seed S --from i --cases 1 --clock-ms T`).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(i64).range(0..=9_007_199_254_740_991))]
+    clock_ms: Option<i64>,
 }
 
 /// Why the fuzz run could not run (a failing case is not an error: it is
@@ -130,6 +142,13 @@ pub struct CaseFailure {
     pub error: String,
     /// The case's inputs and steps, in order.
     pub input: Vec<String>,
+    /// The host clock (epoch ms) when the case began: `--clock-ms` replays
+    /// the case at it.
+    pub clock_ms: Option<i64>,
+    /// Whether the case, run again alone at the same clock, failed again
+    /// (`false`: it depends on the cases before it in its child, or on
+    /// timing); `None` when the replay could not run.
+    pub reproduces_alone: Option<bool>,
 }
 
 /// What a run found.
@@ -268,7 +287,8 @@ struct Tally {
 }
 
 /// Runs cases `from..end` in children one after the other (a new child
-/// after each abort or hang), under `dir`.
+/// after each abort or hang), under `dir`; then runs every failed case
+/// again alone, at the clock it began at.
 fn run_range(
     args: &FuzzArgs,
     seed: u64,
@@ -283,6 +303,9 @@ fn run_range(
     while next < end {
         tally.child_processes += 1;
         let child_dir = dir.join(format!("child-{}", tally.child_processes));
+        // `--clock-ms` is the clock of the run's first case only.
+        let clock = args.clock_ms.filter(|_| next == args.from);
+        let mut began_at = None;
         let outcome = supervise(
             args,
             seed,
@@ -291,6 +314,7 @@ fn run_range(
             &child_dir,
             hang,
             false,
+            clock,
             &mut |line| match line {
                 Line::Ended {
                     case,
@@ -299,42 +323,29 @@ fn run_range(
                 } => {
                     tally.cases += 1;
                     *tally.by_capability.entry(kind.clone()).or_default() += 1;
-                    if let Some((error, input)) = failure {
+                    if let Some(failure) = failure {
                         tally.failures.push(CaseFailure {
                             case,
                             capability: kind,
-                            error,
-                            input,
+                            error: failure.error,
+                            input: failure.input,
+                            clock_ms: Some(failure.clock_ms),
+                            reproduces_alone: None,
                         });
                     }
                     bar.inc(1);
                 }
-                Line::Begun { .. } | Line::Trace(_) => {}
+                Line::Begun { clock_ms, .. } => began_at = clock_ms,
+                Line::Trace(_) => {}
             },
         )?;
         let _ = std::fs::remove_dir_all(&child_dir);
         match outcome {
             Stopped::Finished => break,
             Stopped::Died { case, why } => {
-                // Its inputs: the same case again, alone, printing each one.
-                let trace_dir = dir.join(format!("trace-{case}"));
-                let mut input = Vec::new();
-                let mut kind = String::from("?");
-                supervise(
-                    args,
-                    seed,
-                    case,
-                    case + 1,
-                    &trace_dir,
-                    hang,
-                    true,
-                    &mut |line| match line {
-                        Line::Trace(text) => input.push(text),
-                        Line::Begun { kind: k, .. } => kind = k,
-                        Line::Ended { .. } => {}
-                    },
-                )?;
-                let _ = std::fs::remove_dir_all(&trace_dir);
+                // Its inputs: the same case again, alone, at the same
+                // clock, printing each one.
+                let (input, kind, again) = replay(args, seed, case, began_at, dir, hang, true)?;
                 tally.cases += 1;
                 *tally.by_capability.entry(kind.clone()).or_default() += 1;
                 tally.failures.push(CaseFailure {
@@ -342,13 +353,61 @@ fn run_range(
                     capability: kind,
                     error: why,
                     input,
+                    clock_ms: began_at,
+                    reproduces_alone: Some(again),
                 });
                 bar.inc(1);
                 next = case + 1;
             }
         }
     }
+    for failure in &mut tally.failures {
+        if failure.reproduces_alone.is_none() {
+            let (_, _, again) =
+                replay(args, seed, failure.case, failure.clock_ms, dir, hang, false)?;
+            failure.reproduces_alone = Some(again);
+        }
+    }
     Ok(tally)
+}
+
+/// Runs case `case` again alone in a fresh child, starting at `clock_ms`;
+/// returns its trace (in trace mode), its kind, and whether it failed
+/// again (an abort or a hang counts).
+fn replay(
+    args: &FuzzArgs,
+    seed: u64,
+    case: u64,
+    clock_ms: Option<i64>,
+    dir: &Path,
+    hang: Duration,
+    trace: bool,
+) -> Result<(Vec<String>, String, bool), FuzzError> {
+    let replay_dir = dir.join(format!("replay-{case}"));
+    let mut input = Vec::new();
+    let mut kind = String::from("?");
+    let mut failed = false;
+    let stopped = supervise(
+        args,
+        seed,
+        case,
+        case + 1,
+        &replay_dir,
+        hang,
+        trace,
+        clock_ms,
+        &mut |line| match line {
+            Line::Trace(text) => input.push(text),
+            Line::Begun { kind: k, .. } => kind = k,
+            Line::Ended { failure, .. } => failed = failure.is_some(),
+        },
+    )?;
+    let _ = std::fs::remove_dir_all(&replay_dir);
+    Ok((
+        input,
+        kind,
+        failed || matches!(stopped, Stopped::Died { .. }),
+    ))
 }
 
 fn render(report: &FuzzReport) -> String {
@@ -371,8 +430,22 @@ fn render(report: &FuzzReport) -> String {
     );
     for failure in report.failures.iter().take(20) {
         text.push_str(&format!(
-            "\nFAILED case {} ({}): {}\n  rerun: durability fuzz --seed {} --from {} --cases 1\n  input:",
-            failure.case, failure.capability, failure.error, report.seed, failure.case
+            "\nFAILED case {} ({}): {}\n  rerun: durability fuzz --seed {} --from {} --cases 1{}\n  alone: {}\n  input:",
+            failure.case,
+            failure.capability,
+            failure.error,
+            report.seed,
+            failure.case,
+            failure
+                .clock_ms
+                .map(|ms| format!(" --clock-ms {ms}"))
+                .unwrap_or_default(),
+            match failure.reproduces_alone {
+                Some(true) => "fails again when run alone at the same clock",
+                Some(false) =>
+                    "passes when run alone at the same clock (depends on the cases before it, or on timing)",
+                None => "not run again",
+            }
         ));
         for line in failure.input.iter().take(40) {
             text.push_str(&format!("\n    {line}"));
@@ -392,13 +465,21 @@ enum Line {
     Begun {
         case: u64,
         kind: String,
+        clock_ms: Option<i64>,
     },
     Ended {
         case: u64,
         kind: String,
-        failure: Option<(String, Vec<String>)>,
+        failure: Option<ChildFailure>,
     },
     Trace(String),
+}
+
+/// What a child said of a failed case.
+struct ChildFailure {
+    error: String,
+    input: Vec<String>,
+    clock_ms: i64,
 }
 
 /// How a child stopped.
@@ -418,6 +499,7 @@ fn supervise(
     dir: &Path,
     hang: Duration,
     trace: bool,
+    clock_ms: Option<i64>,
     on_line: &mut dyn FnMut(Line),
 ) -> Result<Stopped, FuzzError> {
     let exe = std::env::current_exe().map_err(|source| FuzzError::Spawn { source })?;
@@ -441,6 +523,9 @@ fn supervise(
     }
     if let Some(inject) = &args.inject {
         command.args(["--inject", inject]);
+    }
+    if let Some(clock_ms) = clock_ms {
+        command.args(["--clock-ms", &clock_ms.to_string()]);
     }
     let mut child = command
         .spawn()
@@ -471,9 +556,9 @@ fn supervise(
         }
         match received {
             Ok(line) => match parse(&line)? {
-                Line::Begun { case, kind } => {
+                begun @ Line::Begun { case, .. } => {
                     in_flight = Some(case);
-                    on_line(Line::Begun { case, kind });
+                    on_line(begun);
                 }
                 ended @ Line::Ended { .. } => {
                     in_flight = None;
@@ -609,10 +694,15 @@ fn parse(line: &str) -> Result<Line, FuzzError> {
     match tag {
         "T" => Ok(Line::Trace(rest.to_owned())),
         "B" => {
-            let (case, kind) = rest.split_once(' ').ok_or_else(bad)?;
+            let mut fields = rest.split(' ');
+            let (Some(case), Some(kind), clock) = (fields.next(), fields.next(), fields.next())
+            else {
+                return Err(bad());
+            };
             Ok(Line::Begun {
                 case: case.parse().map_err(|_| bad())?,
                 kind: kind.to_owned(),
+                clock_ms: clock.map(str::parse).transpose().map_err(|_| bad())?,
             })
         }
         "O" => {
@@ -628,7 +718,11 @@ fn parse(line: &str) -> Result<Line, FuzzError> {
             Ok(Line::Ended {
                 case: failure.case,
                 kind: failure.kind,
-                failure: Some((failure.error, failure.input)),
+                failure: Some(ChildFailure {
+                    error: failure.error,
+                    input: failure.input,
+                    clock_ms: failure.clock_ms,
+                }),
             })
         }
         _ => Err(bad()),
