@@ -22,6 +22,10 @@
 //!   in the registration's own transaction, and in a due pass the
 //!   completion of one attempt claims the next id of its lane in the same
 //!   transaction (a no-op operation then costs two commits, not three).
+//!   An eager registration is also lean inside its transaction: the row is
+//!   inserted at attempt 1 (no separate claim), it is read back only when
+//!   the id was taken already, and its attempt gets the trace context the
+//!   registration stored without reading it again.
 //!   Failures and timeouts do not hand off: their settlement may await the
 //!   storage, and a claim must be handed over with no await between its
 //!   commit and its claimer. A claimed id is reserved in memory until its
@@ -449,14 +453,17 @@ impl Operations {
         // timer armed by the commit queues for one. With a permit, the
         // first attempt is claimed in the registration's own transaction:
         // one commit instead of two, and the attempt still counts before
-        // the handler runs.
+        // the handler runs. The claim is the insert itself (the row starts
+        // at attempt 1): what a claim's `attempt + 1` would make of the
+        // fresh row, without a second statement.
         let permit = engine.try_acquire_permit();
-        let eager = permit.is_some();
         let max_attempts = inner.policies.resolve(operation).max_attempts;
+        let claim_on_insert = permit.is_some() && max_attempts >= 1;
+        let first_attempt = u32::from(claim_on_insert);
         let insert = "INSERT INTO durability_calls \
              (id, operation, payload, status, result, attempt, next_attempt_at, last_error, \
               last_error_name, completed_at, generation_id, created_at) \
-             VALUES (?, ?, ?, 'pending', NULL, 0, ?, NULL, NULL, NULL, ?, ?) \
+             VALUES (?, ?, ?, 'pending', NULL, ?, ?, NULL, NULL, NULL, ?, ?) \
              ON CONFLICT(id) DO NOTHING";
         let tracked = Cell::new(false);
         let registered = engine
@@ -467,32 +474,31 @@ impl Operations {
                         id,
                         operation,
                         payload.as_str(),
+                        first_attempt,
                         now,
                         generation.as_str(),
                         now
                     ],
                 )? == 1;
-                let Some(row) = CallRow::read(sql, id)? else {
-                    return Err(DurabilityError::NotPersisted { id: id.to_owned() });
-                };
-                if row.operation != operation {
-                    return Err(DurabilityError::DuplicateCall {
-                        id: id.to_owned(),
-                        existing: row.operation,
-                        requested: operation.to_owned(),
-                    });
-                }
                 if !inserted {
+                    // The id is taken: by this operation (nothing to
+                    // write) or by another one (an error).
+                    let Some(row) = CallRow::read(sql, id)? else {
+                        return Err(DurabilityError::NotPersisted { id: id.to_owned() });
+                    };
+                    if row.operation != operation {
+                        return Err(DurabilityError::DuplicateCall {
+                            id: id.to_owned(),
+                            existing: row.operation,
+                            requested: operation.to_owned(),
+                        });
+                    }
                     return Ok(None);
                 }
                 if let Some(context) = &trace_context {
                     crate::trace::store(sql, CALLS, id, &generation, now, context)?;
                 }
-                let claimed = if eager {
-                    claim_attempt(sql, CALLS, id, generation.as_str(), max_attempts, None)?
-                } else {
-                    None
-                };
+                let claimed = claim_on_insert.then_some(first_attempt);
                 if claimed.is_some() {
                     // Running from now on, for the reconcile of this very
                     // transaction too: it arms no timer for the record the
@@ -519,6 +525,9 @@ impl Operations {
             timestamp: now,
         });
         if let (Some(permit), Some(attempt)) = (permit, claimed) {
+            // What the registration stored as the trace context is known:
+            // the attempt needs no read of it.
+            let trace = Some(trace_context);
             inner.reserved.borrow_mut().insert(id.to_owned());
             let run = Rc::clone(inner);
             let operation = operation.to_owned();
@@ -531,7 +540,7 @@ impl Operations {
             // Run in the caller's span, so the attempt links to the producer.
             let task = async move {
                 if let Err(error) = run
-                    .execute(&id, Some(permit), Some(claimed), None, None)
+                    .execute(&id, Some(permit), Some(claimed), trace, None, None)
                     .await
                 {
                     tracing::error!(
@@ -753,13 +762,17 @@ impl Inner {
     /// runs it. `eager_permit` (an eager start's) and `claimed` (an attempt
     /// already claimed for it) pass to the execution; when none starts, the
     /// permit is released on return (a claimed attempt stays counted, as
-    /// after a crash before its handler ran). `successor` takes the next
-    /// record of a due pass when this one completes.
+    /// after a crash before its handler ran). `trace`: the trace context
+    /// stored for this generation when the caller knows it (the eager
+    /// start that registered it), so the attempt skips reading it.
+    /// `successor` takes the next record of a due pass when this one
+    /// completes.
     async fn execute(
         self: &Rc<Self>,
         id: &str,
         eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
         claimed: Option<Claimed>,
+        trace: Option<Option<String>>,
         successor: Option<Rc<dyn Successor>>,
         platform: Option<AlarmInfo>,
     ) -> Result<(), DurabilityError> {
@@ -783,6 +796,8 @@ impl Inner {
         let claimed = claimed
             .filter(|c| c.generation == row.generation && c.attempt == row.attempt)
             .map(|c| c.attempt);
+        // A known trace context is the claimed generation's.
+        let trace = trace.filter(|_| claimed.is_some());
         let running = self
             .active
             .borrow()
@@ -823,6 +838,7 @@ impl Inner {
                 max_attempts: policy.max_attempts,
                 attempt_timeout_ms: policy.attempt_timeout_ms,
                 platform,
+                trace,
             }),
             claimed,
             successor,
@@ -862,7 +878,7 @@ impl Inner {
                     });
                     let successor: Rc<dyn Successor> = Rc::clone(&handoff) as Rc<dyn Successor>;
                     let outcome = self
-                        .execute(&id, None, claimed, Some(successor), info)
+                        .execute(&id, None, claimed, None, Some(successor), info)
                         .await;
                     results.push((id, outcome));
                     next = match handoff.taken.borrow_mut().take() {
@@ -995,6 +1011,8 @@ struct OperationAttempt {
     max_attempts: u32,
     attempt_timeout_ms: u64,
     platform: Option<AlarmInfo>,
+    /// The stored trace context, when known without a read.
+    trace: Option<Option<String>>,
 }
 
 impl AttemptKind for OperationAttempt {
@@ -1035,12 +1053,14 @@ impl AttemptKind for OperationAttempt {
             },
         )
         .max_value_bytes(inner.max_payload_bytes, "max_payload_bytes");
-        let trace_context =
-            crate::trace::load(inner.engine.sql(), CALLS, &self.id, &self.generation)
+        let trace_context = match &self.trace {
+            Some(known) => known.clone(),
+            None => crate::trace::load(inner.engine.sql(), CALLS, &self.id, &self.generation)
                 .unwrap_or_else(|error| {
                     tracing::warn!(%error, "trace context unreadable; the attempt runs without it");
                     None
-                });
+                }),
+        };
         if let Some(context) = &trace_context {
             tracing::Span::current().record("producer", context.as_str());
         }
