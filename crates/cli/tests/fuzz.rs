@@ -224,3 +224,47 @@ fn a_pass_starts_no_more_lanes_than_it_has_due_ids() {
     assert!(output.status.success(), "{report}");
     assert_eq!(report["failed"], 0, "{report}");
 }
+
+#[test]
+fn kind_runs_only_the_cases_of_that_kind_and_counts_the_rest_as_skipped() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let (output, report) = fuzz(
+        &[
+            "--cases",
+            "60",
+            "--seed",
+            "20261201",
+            "--kind",
+            "malformed-rows",
+            "--kind",
+            "log",
+        ],
+        &dir.path().join("fuzz.json"),
+    );
+    assert!(output.status.success(), "{report}");
+    let by_kind = report["by_capability"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no by_capability: {report}"));
+    assert!(
+        by_kind.keys().all(|k| k == "malformed-rows" || k == "log") && !by_kind.is_empty(),
+        "{report}"
+    );
+    let ran = report["cases"].as_u64().unwrap_or(0);
+    let skipped = report["skipped"].as_u64().unwrap_or(0);
+    assert!(ran > 0 && skipped > 0 && ran + skipped == 60, "{report}");
+    assert_eq!(
+        report["kinds"],
+        serde_json::json!(["malformed-rows", "log"])
+    );
+
+    // An unknown kind is refused before anything runs, naming the known ones.
+    let refused = Command::new(env!("CARGO_BIN_EXE_durability"))
+        .args(["fuzz", "--cases", "5", "--kind", "nope"])
+        .output()
+        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("nope") && stderr.contains("malformed-rows"),
+        "{stderr}"
+    );
+}

@@ -1,8 +1,9 @@
 //! `durability fuzz-child`: runs cases `--from..--to` of one seed, one
 //! fresh object each, on an inline host over paused tokio time, and prints
 //! one line per case event on stdout (flushed): `B <case> <kind> <clock_ms>`
-//! when it begins, `O <case> <kind>` when it passed, `F <json>` when it failed, and
-//! in trace mode `T <input>` before each input is used.
+//! when it begins, `O <case> <kind>` when it passed, `F <json>` when it failed,
+//! `S <case>` when `--kind` left it out, and in trace mode `T <input>`
+//! before each input is used.
 
 use std::cell::RefCell;
 use std::io::Write as _;
@@ -43,6 +44,9 @@ pub struct ChildArgs {
     /// the seed's origin: replays a case at the time it first ran.
     #[arg(long)]
     clock_ms: Option<i64>,
+    /// Run only the cases of these kinds; print `S <case>` for the others.
+    #[arg(long)]
+    kind: Vec<String>,
 }
 
 /// 2026-01-01T00:00:00Z. The hosts' clocks start at it plus an offset
@@ -236,6 +240,7 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
                 trace: args.trace,
                 inject: injected,
                 template: &template,
+                only: &args.kind,
             };
             run_case(run, storm).await;
         }
@@ -383,6 +388,8 @@ struct CaseRun<'a> {
     trace: bool,
     inject: Option<Inject>,
     template: &'a Template,
+    /// `--kind`: the kinds to run; empty runs every kind.
+    only: &'a [String],
 }
 
 async fn run_case(run: CaseRun<'_>, storm: Storm) {
@@ -395,10 +402,15 @@ async fn run_case(run: CaseRun<'_>, storm: Storm) {
         trace,
         inject,
         template,
+        only,
     } = run;
     let mut fx = Fx::new(seed, case, trace);
     let kind = fx.below(KINDS.len());
     let kind_name = cases::kind_name(kind);
+    if !only.is_empty() && !only.iter().any(|k| k == kind_name) {
+        emit(&format!("S {case}"));
+        return;
+    }
     let clock_ms = host.now_ms();
     emit(&format!("B {case} {kind_name} {clock_ms}"));
     fx.note(format!("case kind: {kind_name}"));

@@ -106,6 +106,12 @@ pub struct FuzzArgs {
     /// (`--seed S --from i --cases 1 --clock-ms T`).
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(i64).range(0..=9_007_199_254_740_991))]
     clock_ms: Option<i64>,
+    /// Run only the cases of this kind (repeat for several: `--kind
+    /// malformed-rows --kind log`); the others are skipped, counted in
+    /// `skipped`. A case's inputs do not depend on the filter, so case `i`
+    /// is the same case with or without it.
+    #[arg(long, value_name = "KIND")]
+    kind: Vec<String>,
 }
 
 /// Why the fuzz run could not run (a failing case is not an error: it is
@@ -133,6 +139,8 @@ pub enum FuzzError {
     },
     #[error("--inject must be panic@I, abort@I, hang@I or storm@I, got {value:?}")]
     Inject { value: String },
+    #[error("--kind must be one of {known}, got {value:?}")]
+    Kind { value: String, known: String },
     #[error("cannot start the fuzz child's runtime or host: {message}")]
     Setup { message: String },
 }
@@ -166,6 +174,10 @@ pub struct FuzzReport {
     pub failed: usize,
     pub failures: Vec<CaseFailure>,
     pub by_capability: BTreeMap<String, u64>,
+    /// Cases of the range not run because `--kind` left them out.
+    pub skipped: u64,
+    /// The kinds `--kind` kept; empty when every kind ran.
+    pub kinds: Vec<String>,
     /// Child processes started (one more after each abort or hang).
     pub child_processes: u64,
     pub elapsed_s: f64,
@@ -177,6 +189,14 @@ pub struct FuzzReport {
 pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
     if let Some(inject) = &args.inject {
         child::parse_inject(inject)?;
+    }
+    for kind in &args.kind {
+        if !cases::KINDS.contains(&kind.as_str()) {
+            return Err(FuzzError::Kind {
+                value: kind.clone(),
+                known: cases::KINDS.join(", "),
+            });
+        }
     }
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -247,6 +267,8 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
         failed: 0,
         failures: Vec::new(),
         by_capability: BTreeMap::new(),
+        skipped: 0,
+        kinds: args.kind.clone(),
         child_processes: 0,
         elapsed_s: 0.0,
         cases_per_sec: 0.0,
@@ -254,6 +276,7 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
     for tally in tallies {
         let tally = tally?;
         report.cases += tally.cases;
+        report.skipped += tally.skipped;
         report.child_processes += tally.child_processes;
         report.failures.extend(tally.failures);
         for (kind, n) in tally.by_capability {
@@ -285,6 +308,7 @@ pub fn run(args: &FuzzArgs) -> Result<(String, bool), FuzzError> {
 #[derive(Default)]
 struct Tally {
     cases: u64,
+    skipped: u64,
     failures: Vec<CaseFailure>,
     by_capability: BTreeMap<String, u64>,
     child_processes: u64,
@@ -340,6 +364,10 @@ fn run_range(
                     bar.inc(1);
                 }
                 Line::Begun { clock_ms, .. } => began_at = clock_ms,
+                Line::Skipped => {
+                    tally.skipped += 1;
+                    bar.inc(1);
+                }
                 Line::Trace(_) => {}
             },
         )?;
@@ -404,6 +432,7 @@ fn replay(
             Line::Trace(text) => input.push(text),
             Line::Begun { kind: k, .. } => kind = k,
             Line::Ended { failure, .. } => failed = failure.is_some(),
+            Line::Skipped => {}
         },
     )?;
     let _ = std::fs::remove_dir_all(&replay_dir);
@@ -432,6 +461,13 @@ fn render(report: &FuzzReport) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    if !report.kinds.is_empty() {
+        text.push_str(&format!(
+            "\nonly --kind {}: {} other cases skipped",
+            report.kinds.join(", "),
+            report.skipped
+        ));
+    }
     for failure in report.failures.iter().take(20) {
         text.push_str(&format!(
             "\nFAILED case {} ({}): {}\n  rerun: durability fuzz --seed {} --from {} --cases 1{}\n  alone: {}\n  input:",
@@ -476,6 +512,8 @@ enum Line {
         kind: String,
         failure: Option<ChildFailure>,
     },
+    /// A case `--kind` left out.
+    Skipped,
     Trace(String),
 }
 
@@ -530,6 +568,9 @@ fn supervise(
     }
     if let Some(clock_ms) = clock_ms {
         command.args(["--clock-ms", &clock_ms.to_string()]);
+    }
+    for kind in &args.kind {
+        command.args(["--kind", kind]);
     }
     let mut child = command
         .spawn()
@@ -697,6 +738,7 @@ fn parse(line: &str) -> Result<Line, FuzzError> {
     let (tag, rest) = line.split_once(' ').ok_or_else(bad)?;
     match tag {
         "T" => Ok(Line::Trace(rest.to_owned())),
+        "S" => Ok(Line::Skipped),
         "B" => {
             let mut fields = rest.split(' ');
             let (Some(case), Some(kind), clock) = (fields.next(), fields.next(), fields.next())
