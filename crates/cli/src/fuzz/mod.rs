@@ -108,8 +108,8 @@ pub struct FuzzArgs {
     clock_ms: Option<i64>,
     /// Run only the cases of this kind (repeat for several: `--kind
     /// malformed-rows --kind log`); the others are skipped, counted in
-    /// `skipped`. A case's inputs do not depend on the filter, so case `i`
-    /// is the same case with or without it.
+    /// `skipped`. Case `i` draws the same inputs with or without the
+    /// filter (its clock differs: it follows from the cases run before it).
     #[arg(long, value_name = "KIND")]
     kind: Vec<String>,
 }
