@@ -1,6 +1,6 @@
 //! `durability fuzz` as CI runs it: a short budget of cases must pass, and
 //! the harness must catch each kind of failure it promises to catch (an
-//! injected panic, abort and hang), naming the case and its input, and go
+//! injected panic, abort, hang and endless wait), naming the case and its input, and go
 //! on with the next cases. The real binary in a child process.
 
 use std::process::{Command, Output};
@@ -63,7 +63,7 @@ fn a_short_fuzz_budget_passes_with_every_capability_exercised() {
 }
 
 #[test]
-fn an_injected_panic_abort_and_hang_each_fail_their_case_and_the_run_goes_on() {
+fn an_injected_panic_abort_hang_and_wait_each_fail_their_case_and_the_run_goes_on() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     for (inject, error) in [
         ("panic@2", "panic: "),
@@ -72,6 +72,11 @@ fn an_injected_panic_abort_and_hang_each_fail_their_case_and_the_run_goes_on() {
             "the process died during the case: killed by signal 6",
         ),
         ("hang@2", "hang: no progress for 2 s"),
+        // A wait nothing ends, on paused time: virtual time runs out.
+        (
+            "wait@2",
+            "hang: the case did not finish within 16 virtual days",
+        ),
     ] {
         let (output, report) = fuzz(
             &[
@@ -105,6 +110,17 @@ fn an_injected_panic_abort_and_hang_each_fail_their_case_and_the_run_goes_on() {
                 .any(|l| l.as_str().is_some_and(|l| l.starts_with("case kind")))),
             "{inject}: the failure carries its input: {failure}"
         );
+        if inject.starts_with("wait") {
+            // The step it waited in is the last one of its input.
+            assert!(
+                failure["input"]
+                    .as_array()
+                    .and_then(|input| input.last())
+                    .and_then(|l| l.as_str())
+                    .is_some_and(|l| l.contains("--inject wait")),
+                "{inject}: {failure}"
+            );
+        }
         assert!(failure["clock_ms"].is_i64(), "{inject}: {failure}");
         assert_eq!(
             failure["reproduces_alone"], true,

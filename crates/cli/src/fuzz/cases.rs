@@ -183,11 +183,28 @@ pub async fn run(stage: Rc<Stage>, kind: usize, fx: Fx) -> Result<(), Failed> {
         stage,
         malformed: false,
     };
+    within_budget(cx.run(kind)).await
+}
+
+/// `--inject wait@I`: a case that notes a step, then awaits what nothing
+/// ever wakes, as the unexplained malformed-rows hangs did; it must fail
+/// as a virtual-time hang with that step last in its input.
+pub async fn wait_forever(mut fx: Fx) -> Result<(), Failed> {
+    within_budget(async move {
+        fx.note("injected: awaits a future nothing wakes (--inject wait)");
+        std::future::pending::<Result<(), Failed>>().await
+    })
+    .await
+}
+
+/// A case's verdict, or a hang once it has waited longer than any case
+/// may advance virtual time.
+async fn within_budget(case: impl Future<Output = Result<(), Failed>>) -> Result<(), Failed> {
     // Each of a case's (at most 6) waits may spend the budget.
     let limit = VIRTUAL_BUDGET * 8;
     let cpu_before = super::child::cpu_time();
     let attempts_before = ATTEMPTS.load(Ordering::Relaxed);
-    match tokio::time::timeout(limit, cx.run(kind)).await {
+    match tokio::time::timeout(limit, case).await {
         Ok(verdict) => verdict,
         // What it spent tells a wait that never ends (little CPU, few
         // attempts) from work that kept virtual time moving.

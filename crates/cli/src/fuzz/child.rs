@@ -98,9 +98,11 @@ enum Inject {
     /// Case I becomes a retry storm of named alarms (always failing,
     /// 0 ms apart, 2e9 attempts), which must pass.
     Storm,
+    /// Case I awaits what nothing wakes: a virtual-time hang.
+    Wait,
 }
 
-/// `panic@I`, `abort@I`, `hang@I` or `storm@I`.
+/// `panic@I`, `abort@I`, `hang@I`, `wait@I` or `storm@I`.
 pub(super) fn parse_inject(value: &str) -> Result<(u64, &'static str), FuzzError> {
     let bad = || FuzzError::Inject {
         value: value.to_owned(),
@@ -112,6 +114,7 @@ pub(super) fn parse_inject(value: &str) -> Result<(u64, &'static str), FuzzError
         "abort" => "abort",
         "hang" => "hang",
         "storm" => "storm",
+        "wait" => "wait",
         _ => return Err(bad()),
     };
     Ok((case, kind))
@@ -149,6 +152,7 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, FuzzError> {
                 "panic" => Inject::Panic,
                 "abort" => Inject::Abort,
                 "storm" => Inject::Storm,
+                "wait" => Inject::Wait,
                 _ => Inject::Hang,
             };
             Some((case, kind))
@@ -425,7 +429,7 @@ async fn run_case(run: CaseRun<'_>, storm: Storm) {
         Some(Inject::Hang) => loop {
             std::hint::spin_loop();
         },
-        Some(Inject::Panic | Inject::Storm) | None => {}
+        Some(Inject::Panic | Inject::Storm | Inject::Wait) | None => {}
     }
     let verdict = match objects.stub(&format!("case-{case}")) {
         Ok(stub) => {
@@ -438,10 +442,10 @@ async fn run_case(run: CaseRun<'_>, storm: Storm) {
                         panic!("injected panic (--inject)");
                     }
                     let case = async {
-                        if inject == Some(Inject::Storm) {
-                            cases::storm(Rc::clone(&o.stage)).await
-                        } else {
-                            cases::run(Rc::clone(&o.stage), kind, fx).await
+                        match inject {
+                            Some(Inject::Storm) => cases::storm(Rc::clone(&o.stage)).await,
+                            Some(Inject::Wait) => cases::wait_forever(fx).await,
+                            _ => cases::run(Rc::clone(&o.stage), kind, fx).await,
                         }
                     };
                     let verdict = tokio::select! {

@@ -96,9 +96,10 @@ pub struct FuzzArgs {
     /// contiguous range of them.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     jobs: u16,
-    /// Test hook: make case I panic, abort or hang (`panic@I`, `abort@I`,
-    /// `hang@I`), to show the harness catches each, or a retry storm
-    /// (`storm@I`), to show it is not taken for a hang.
+    /// Test hook: make case I panic, abort, hang in a hot loop or wait
+    /// for what nothing wakes (`panic@I`, `abort@I`, `hang@I`, `wait@I`),
+    /// to show the harness catches each, or a retry storm (`storm@I`), to
+    /// show it is not taken for a hang.
     #[arg(long, hide = true, value_name = "KIND@I")]
     inject: Option<String>,
     /// Start the first case at this host clock (epoch ms) instead of at
@@ -137,7 +138,7 @@ pub enum FuzzError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("--inject must be panic@I, abort@I, hang@I or storm@I, got {value:?}")]
+    #[error("--inject must be panic@I, abort@I, hang@I, wait@I or storm@I, got {value:?}")]
     Inject { value: String },
     #[error("--kind must be one of {known}, got {value:?}")]
     Kind { value: String, known: String },
