@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::context::ObjectContext;
+use crate::flush::CommitMark;
 use crate::host::HostCore;
 use crate::id::object_path;
 use crate::index::IndexedAlarm;
@@ -39,7 +40,7 @@ pub(crate) type Job = Box<dyn FnOnce(&Rc<Executor>) + Send>;
 /// last commit when the result was made (0: none), for the output gate.
 pub(crate) struct Reply<R> {
     pub(crate) result: Result<R, CallError>,
-    pub(crate) after: u64,
+    pub(crate) after: CommitMark,
 }
 
 impl<R> Reply<R> {
@@ -47,7 +48,7 @@ impl<R> Reply<R> {
     fn failed(error: CallError) -> Self {
         Reply {
             result: Err(error),
-            after: 0,
+            after: CommitMark::default(),
         }
     }
 }

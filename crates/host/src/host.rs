@@ -43,10 +43,11 @@ pub use testing::FiredAlarm;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Synchronous {
     /// Group commit with output gates (default). Commits do not wait for a
-    /// sync of their own; a host-wide flusher syncs every pending commit of
-    /// every object together (see [`FlushMethod`]), and a reply of
+    /// sync of their own; a host-wide flusher syncs pending commits of many
+    /// objects together (see [`FlushMethod`]), and a reply of
     /// [`Stub::call`] is released only once every commit its object made
-    /// before the reply is durable. So whatever a caller saw survives a
+    /// before the reply is durable. A commit no reply waits for is synced
+    /// within 50 ms, or with its object's next awaited commit. So whatever a caller saw survives a
     /// power loss, as with `Full`; work the host runs by itself (alarms,
     /// timers, in-process consumers) is not held and may be repeated after
     /// a power loss, but the host's alarm index never records an alarm as
@@ -374,6 +375,7 @@ impl HostBuilder {
                 Arc::clone(&index),
                 threads == 0,
                 images,
+                flush::UNAWAITED_SYNC_DELAY,
             )
         });
         let flusher = group
@@ -810,7 +812,7 @@ impl<T: DurableObject> Stub<T> {
         // The output gate: nothing the object said leaves before the
         // commits it made until then are durable.
         if let Some(group) = &core.group
-            && let Err(reason) = group.gate(after).await
+            && let Err(reason) = group.gate(&after).await
         {
             return Err(CallError::NotDurable {
                 id: self.id.to_string(),

@@ -69,6 +69,7 @@ use durability_platform::{EpochMs, ObjectId, StorageError};
 use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, params};
 
 use crate::error::storage_error;
+use crate::flush::CommitMark;
 use crate::id::{is_object_id, objects_dir};
 use crate::storage::{ALARM_TABLE, META_TABLE};
 use crate::{HostError, Synchronous};
@@ -172,8 +173,8 @@ struct IndexConnection {
     /// The `synchronous` setting the connection has now.
     current: Synchronous,
     /// Exact updates waiting for their object's commit to be durable:
-    /// (namespace, time or removal, the commit's sequence number).
-    deferred: HashMap<ObjectId, (String, Option<EpochMs>, u64)>,
+    /// (namespace, time or removal, the commit).
+    deferred: HashMap<ObjectId, (String, Option<EpochMs>, CommitMark)>,
 }
 
 /// How durable an index write must be before it returns.
@@ -380,23 +381,30 @@ impl AlarmIndex {
         }
     }
 
-    /// Keeps the exact update of object `id` until commit `seq` is durable
-    /// (group commit); it replaces an older deferred update of the object.
-    pub(crate) fn defer(&self, id: &ObjectId, namespace: &str, at_ms: Option<EpochMs>, seq: u64) {
+    /// Keeps the exact update of object `id` until its commit `after` is
+    /// durable (group commit); it replaces an older deferred update of the
+    /// object.
+    pub(crate) fn defer(
+        &self,
+        id: &ObjectId,
+        namespace: &str,
+        at_ms: Option<EpochMs>,
+        after: CommitMark,
+    ) {
         match self.conn.lock() {
             Ok(mut guard) => {
                 guard
                     .deferred
-                    .insert(id.clone(), (namespace.to_owned(), at_ms, seq));
+                    .insert(id.clone(), (namespace.to_owned(), at_ms, after));
             }
             Err(_) => tracing::warn!(object = %id, "alarm index lock poisoned; update dropped"),
         }
     }
 
-    /// Writes the deferred updates whose commits are durable now (up to
-    /// `durable`). Returns whether it wrote anything. A failed write only
-    /// leaves the index early or stale, which is allowed.
-    pub(crate) fn apply_durable(&self, durable: u64) -> bool {
+    /// Writes the deferred updates whose commits are durable now. Returns
+    /// whether it wrote anything. A failed write only leaves the index
+    /// early or stale, which is allowed.
+    pub(crate) fn apply_durable(&self) -> bool {
         let _files = self
             .files
             .as_ref()
@@ -407,7 +415,7 @@ impl AlarmIndex {
         let ready: Vec<ObjectId> = guard
             .deferred
             .iter()
-            .filter(|(_, (_, _, seq))| *seq <= durable)
+            .filter(|(_, (_, _, after))| after.is_durable())
             .map(|(id, _)| id.clone())
             .collect();
         if ready.is_empty() {
@@ -741,6 +749,7 @@ fn read_alarm(file: &ObjectFile) -> Result<Option<IndexedAlarm>, StorageError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flush::WalFile;
 
     fn index(dir: &Path) -> AlarmIndex {
         AlarmIndex::open(dir, Synchronous::Full, None).unwrap().0
@@ -754,17 +763,22 @@ mod tests {
         index
             .set(&id, "ns", Some(100), IndexWrite::Lowering)
             .unwrap();
+        let wal = WalFile::new(&dir.path().join("object.sqlite-wal"));
         // Raised by commit 7, then cleared by commit 9.
-        index.defer(&id, "ns", Some(500), 7);
-        assert!(!index.apply_durable(6));
+        index.defer(&id, "ns", Some(500), CommitMark::new(&wal, 7));
+        wal.synced_through(6);
+        assert!(!index.apply_durable());
         assert_eq!(index.get(&id).unwrap(), Some(100));
-        index.defer(&id, "ns", None, 9);
+        index.defer(&id, "ns", None, CommitMark::new(&wal, 9));
         // Only the newest update counts, and only once 9 is durable.
-        assert!(!index.apply_durable(8));
+        wal.synced_through(8);
+        assert!(!index.apply_durable());
         assert_eq!(index.get(&id).unwrap(), Some(100));
-        assert!(index.apply_durable(9));
+        wal.synced_through(9);
+        assert!(index.apply_durable());
         assert_eq!(index.get(&id).unwrap(), None);
-        assert!(!index.apply_durable(10));
+        wal.synced_through(10);
+        assert!(!index.apply_durable());
     }
 
     #[test]
@@ -772,12 +786,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let index = index(dir.path());
         let id = ObjectId::new("b".repeat(64));
-        index.defer(&id, "ns", Some(900), 3);
+        let wal = WalFile::new(&dir.path().join("object.sqlite-wal"));
+        index.defer(&id, "ns", Some(900), CommitMark::new(&wal, 3));
         index
             .set(&id, "ns", Some(50), IndexWrite::Lowering)
             .unwrap();
         // Commit 3 turning durable must not raise the index above 50.
-        assert!(!index.apply_durable(3));
+        wal.synced_through(3);
+        assert!(!index.apply_durable());
         assert_eq!(index.get(&id).unwrap(), Some(50));
     }
 }

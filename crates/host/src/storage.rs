@@ -25,7 +25,7 @@ use rusqlite::{Connection, OpenFlags, params};
 use crate::Synchronous;
 use crate::error::{closed_error, storage_error};
 use crate::executor::Executor;
-use crate::flush::GroupCommit;
+use crate::flush::{CommitMark, GroupCommit, WalFile};
 use crate::index::{AlarmIndex, IndexWrite};
 
 /// The host's tables inside every object file. Capabilities use other names.
@@ -99,7 +99,7 @@ pub(crate) struct ObjectStorage {
     /// Group commit (`Synchronous::Batched`): numbers each commit.
     group: Option<Arc<GroupCommit>>,
     /// The object's WAL file, which the flusher syncs.
-    wal: Arc<Path>,
+    wal: Arc<WalFile>,
     /// Set by SQLite's commit hook, so a commit of any kind (a transaction,
     /// a statement in autocommit mode, a script) gets its number.
     committing: Arc<AtomicBool>,
@@ -186,7 +186,7 @@ impl ObjectStorage {
             changed: Cell::new(false),
             syncs_on_commit: synchronous == Synchronous::Full,
             group,
-            wal: Arc::from(Path::new(&wal)),
+            wal: WalFile::new(Path::new(&wal)),
             committing,
             last_commit: Cell::new(0),
             numbered: Cell::new(false),
@@ -228,8 +228,12 @@ impl ObjectStorage {
             if unnumbered {
                 self.number_commit(group);
             }
+            let mark = self.last_commit();
             self.index
-                .defer(&self.id, &self.namespace, alarm, self.last_commit.get());
+                .defer(&self.id, &self.namespace, alarm, mark.clone());
+            // Until the update is written the index may wake the object
+            // for nothing: do not leave the commit for later.
+            group.urge(&mark);
             return;
         }
         if let Err(error) = self
@@ -254,9 +258,9 @@ impl ObjectStorage {
         self.indexed.set(None);
     }
 
-    /// The number of the object's last commit, for the output gate.
-    pub(crate) fn last_commit(&self) -> u64 {
-        self.last_commit.get()
+    /// The object's last commit, for the output gate.
+    pub(crate) fn last_commit(&self) -> CommitMark {
+        CommitMark::new(&self.wal, self.last_commit.get())
     }
 
     /// Closes the connection; later calls fail with `Unavailable`.

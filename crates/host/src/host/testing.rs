@@ -137,7 +137,7 @@ impl<T: DurableObject> Stub<T> {
         };
         // The output gate, as for `Stub::call`.
         if let Some(group) = &core.group
-            && let Err(reason) = group.gate(after).await
+            && let Err(reason) = group.gate(&after).await
         {
             return Err(CallError::NotDurable {
                 id: self.id.to_string(),
