@@ -107,12 +107,6 @@ pub(crate) struct WalFile {
     path: Arc<Path>,
     /// Every commit of this file numbered up to this is on disk.
     synced: AtomicU64,
-    /// Opened at the first sync and kept while the object is live: an
-    /// `open` and `close` around every `fdatasync` cost the sync threads
-    /// as much as a tenth of their CPU. SQLite removes the WAL only when
-    /// the last connection closes (after a checkpoint, which syncs), so
-    /// this handle never outlives the file its object writes.
-    handle: Mutex<Option<File>>,
 }
 
 impl WalFile {
@@ -121,24 +115,22 @@ impl WalFile {
         Arc::new(WalFile {
             path: Arc::from(path),
             synced: AtomicU64::new(0),
-            handle: Mutex::new(None),
         })
     }
 
     /// `fdatasync`s the log. `Ok(false)`: there is none (it was
     /// checkpointed and removed by its close, which synced it).
+    ///
+    /// Opened for each sync rather than kept open: a live object is
+    /// budgeted [`FDS_PER_LIVE_OBJECT`](crate::FDS_PER_LIVE_OBJECT)
+    /// descriptors (its connection's), and a fourth per object ran the
+    /// default cap of live objects out of descriptors (`bench host-calls`,
+    /// 1,000 objects: `EMFILE`, and with it a failed pass).
     fn sync(&self) -> std::io::Result<bool> {
-        let mut handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
-        if handle.is_none() {
-            match File::open(&self.path) {
-                Ok(file) => *handle = Some(file),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
-                Err(e) => return Err(e),
-            }
-        }
-        match handle.as_ref() {
-            Some(file) => file.sync_data().map(|()| true),
-            None => Ok(false),
+        match File::open(&self.path) {
+            Ok(file) => file.sync_data().map(|()| true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
