@@ -70,10 +70,11 @@ use crate::index::AlarmIndex;
 /// How the flusher makes a batch of commits durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FlushMethod {
-    /// `fdatasync` of each dirty WAL file in one pass, issued from up to 16
-    /// threads at once so the filesystem commits them together (and of the
-    /// directory of a WAL created since its object was opened). Touches
-    /// only the host's own files. Default.
+    /// `fdatasync` of each dirty WAL file that is due (something waits on
+    /// it, or it was written 50 ms ago) in one pass,
+    /// issued from up to 16 threads at once so the filesystem commits them
+    /// together (and of the directory of a WAL created since its object
+    /// was opened). Touches only the host's own files. Default.
     #[default]
     WalFiles,
     /// One `syncfs` of the filesystem holding the data directory (Linux
