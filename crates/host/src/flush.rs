@@ -46,7 +46,12 @@
 //! A failed sync cannot be retried safely (the kernel may already have
 //! dropped the pages it could not write), so after one the gates stay
 //! shut: every later reply fails with `CallError::NotDurable`, and the host
-//! should be restarted, which recovers what the disk holds.
+//! should be restarted, which recovers what the disk holds. A file that
+//! could not even be *opened* for its sync (say, the process ran out of
+//! descriptors) lost nothing: its pass is tried again every
+//! [`OPEN_RETRY_INTERVAL`], its replies wait, and only after
+//! [`OPEN_RETRY_WINDOW`] of failures do the gates shut. Inline, where no
+//! thread could retry, the first failure shuts them.
 //!
 //! Drivers: with executor threads, the flusher is a thread of its own that
 //! sleeps on a condition variable until a commit names a file. In inline
@@ -93,6 +98,59 @@ pub enum FlushMethod {
 /// took 28% of the process's CPU on a 2-core machine.
 pub(crate) const UNAWAITED_SYNC_DELAY: Duration = Duration::from_millis(50);
 
+/// How soon a pass whose files could not be opened is tried again.
+pub(crate) const OPEN_RETRY_INTERVAL: Duration = Duration::from_millis(10);
+
+/// How long a file may keep failing to open before the gates shut.
+pub(crate) const OPEN_RETRY_WINDOW: Duration = Duration::from_secs(30);
+
+/// Why one file could not be synced.
+#[derive(Debug)]
+struct SyncError {
+    error: std::io::Error,
+    /// Only opening the file failed (nothing was written or synced
+    /// badly): nothing is lost, and its sync may be tried again.
+    retryable: bool,
+}
+
+/// The files a pass could not open (see [`SyncError::retryable`]).
+#[derive(Debug, Default)]
+struct Unopened {
+    /// By [`WalFile::key`].
+    keys: HashSet<usize>,
+    /// Every file of the pass (the directory itself, or a lane, failed).
+    all: bool,
+    /// The first reason.
+    error: Option<String>,
+}
+
+impl Unopened {
+    fn add(&mut self, key: usize, error: &std::io::Error) {
+        self.keys.insert(key);
+        self.error.get_or_insert_with(|| error.to_string());
+    }
+
+    fn everything(error: &dyn std::fmt::Display) -> Self {
+        Unopened {
+            all: true,
+            error: Some(error.to_string()),
+            ..Unopened::default()
+        }
+    }
+
+    fn merge(&mut self, other: Unopened) {
+        self.keys.extend(other.keys);
+        self.all |= other.all;
+        if self.error.is_none() {
+            self.error = other.error;
+        }
+    }
+
+    fn covers(&self, file: &DirtyFile) -> bool {
+        self.all || self.keys.contains(&file.wal.key())
+    }
+}
+
 /// What is durable so far, as the gates see it.
 #[derive(Debug, Clone, Default)]
 struct Durable {
@@ -127,11 +185,17 @@ impl WalFile {
     /// descriptors (its connection's), and a fourth per object ran the
     /// default cap of live objects out of descriptors (`bench host-calls`,
     /// 1,000 objects: `EMFILE`, and with it a failed pass).
-    fn sync(&self) -> std::io::Result<bool> {
+    fn sync(&self) -> Result<bool, SyncError> {
         match File::open(&self.path) {
-            Ok(file) => file.sync_data().map(|()| true),
+            Ok(file) => file.sync_data().map(|()| true).map_err(|error| SyncError {
+                error,
+                retryable: false,
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(e),
+            Err(error) => Err(SyncError {
+                error,
+                retryable: true,
+            }),
         }
     }
 
@@ -179,6 +243,8 @@ struct DirtyFile {
     last_seq: u64,
     /// When it must be synced: at once once something waits on it.
     due: Instant,
+    /// Since when its passes have failed to open it (see [`SyncError`]).
+    failing_since: Option<Instant>,
 }
 
 /// Commits made and not yet taken by a pass.
@@ -228,6 +294,9 @@ pub(crate) struct GroupCommit {
     delay: Duration,
     /// The alarm index's own log, synced after deferred updates are written.
     index_wal: Arc<WalFile>,
+    /// How long a file may fail to open before the gates shut
+    /// ([`OPEN_RETRY_WINDOW`]).
+    open_retry: Duration,
     durable: watch::Sender<Durable>,
     failed: AtomicBool,
     /// One pass at a time; the pass holds the sync lanes.
@@ -243,6 +312,7 @@ impl GroupCommit {
         inline: bool,
         images: Option<(PathBuf, Arc<RwLock<()>>)>,
         delay: Duration,
+        open_retry: Duration,
     ) -> Arc<Self> {
         // Inline (paused-time tests) nothing waits on a timer; sync images
         // must hold exactly what was synced, so every pass takes all.
@@ -262,6 +332,7 @@ impl GroupCommit {
             inline,
             delay,
             index_wal,
+            open_retry,
             durable: watch::Sender::new(Durable::default()),
             failed: AtomicBool::new(false),
             pass: Mutex::new(SyncLanes::default()),
@@ -297,6 +368,7 @@ impl GroupCommit {
                 first_seq: seq,
                 last_seq: seq,
                 due,
+                failing_since: None,
             });
             entry.new_wal |= new_wal;
             entry.last_seq = seq;
@@ -416,33 +488,92 @@ impl GroupCommit {
         }
         let synced = sync(self.method, &self.data_dir, &files, &mut lanes);
         let published = match (synced, copy) {
-            (Ok(()), Some(Ok(image))) => self
+            (Ok(unopened), Some(Ok(image))) => self
                 .images
                 .as_ref()
-                .map_or(Ok(()), |images| images.publish(image)),
-            (Ok(()), Some(Err(error))) => Err(error),
+                .map_or(Ok(()), |images| images.publish(image))
+                .map(|()| unopened),
+            (Ok(_), Some(Err(error))) => Err(error),
             (result, _) => result,
         };
-        match published {
-            Ok(()) => {
-                for file in &files {
-                    file.wal.synced_through(file.last_seq);
-                }
-                let floor = self.lock_dirty().floor();
-                // Every waiter looks again, also those on one file's mark.
-                self.durable.send_modify(|d| d.seq = d.seq.max(floor));
-                if self.index.apply_durable() {
-                    // The index's own WAL: nothing waits on it.
-                    self.index_dirty();
-                }
-            }
-            Err(error) => {
-                let message: Arc<str> = format!("a sync of the data directory failed: {error}; replies waiting for it are never released (restart the host)").into();
-                tracing::error!(%error, "group commit sync failed; no later reply is released");
-                self.failed.store(true, Ordering::Release);
-                self.durable.send_modify(|d| d.failed = Some(message));
+        let unopened = match published {
+            Ok(unopened) => unopened,
+            Err(error) => return self.fail(&error),
+        };
+        let (retry, synced): (Vec<DirtyFile>, Vec<DirtyFile>) =
+            files.into_iter().partition(|file| unopened.covers(file));
+        for file in &synced {
+            file.wal.synced_through(file.last_seq);
+        }
+        if !retry.is_empty() {
+            let error = unopened.error.unwrap_or_default();
+            // Inline no thread would retry; an image must hold only what
+            // was synced, and it already copied these files.
+            if self.inline || self.images.is_some() || !self.retry_later(retry, &error) {
+                return self.fail(&error);
             }
         }
+        let floor = self.lock_dirty().floor();
+        // Every waiter looks again, also those on one file's mark.
+        self.durable.send_modify(|d| d.seq = d.seq.max(floor));
+        if self.index.apply_durable() {
+            // The index's own WAL: nothing waits on it.
+            self.index_dirty();
+        }
+    }
+
+    /// Shuts the gates for good.
+    fn fail(&self, error: &dyn std::fmt::Display) {
+        let message: Arc<str> = format!("a sync of the data directory failed: {error}; replies waiting for it are never released (restart the host)").into();
+        tracing::error!(%error, "group commit sync failed; no later reply is released");
+        self.failed.store(true, Ordering::Release);
+        self.durable.send_modify(|d| d.failed = Some(message));
+    }
+
+    /// A pass could not open these files: nothing was lost, so they go
+    /// back to the dirty set, due again after [`OPEN_RETRY_INTERVAL`].
+    /// Returns `false` once a file has failed for longer than the retry
+    /// window: then the gates must shut.
+    fn retry_later(&self, files: Vec<DirtyFile>, error: &str) -> bool {
+        let now = Instant::now();
+        let due = now + OPEN_RETRY_INTERVAL;
+        let mut first_failure = false;
+        let mut gave_up = false;
+        {
+            let mut dirty = self.lock_dirty();
+            for file in files {
+                let since = file.failing_since.unwrap_or_else(|| {
+                    first_failure = true;
+                    now
+                });
+                gave_up |= now.saturating_duration_since(since) >= self.open_retry;
+                let key = file.wal.key();
+                match dirty.files.get_mut(&key) {
+                    // Committed to again since the pass took it.
+                    Some(newer) => {
+                        newer.first_seq = newer.first_seq.min(file.first_seq);
+                        newer.last_seq = newer.last_seq.max(file.last_seq);
+                        newer.new_wal |= file.new_wal;
+                        newer.due = due;
+                        newer.failing_since = Some(since);
+                    }
+                    None => {
+                        dirty.files.insert(
+                            key,
+                            DirtyFile {
+                                due,
+                                failing_since: Some(since),
+                                ..file
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        if first_failure && !gave_up {
+            tracing::warn!(%error, retry_ms = OPEN_RETRY_INTERVAL.as_millis() as u64, "group commit could not open a file to sync it; replies wait while it is tried again");
+        }
+        !gave_up
     }
 
     /// Takes the files due now (all of them when stopping, with no delay,
@@ -481,6 +612,7 @@ impl GroupCommit {
                     first_seq: u64::MAX,
                     last_seq: 0,
                     due,
+                    failing_since: None,
                 });
             wake
         };
@@ -496,7 +628,7 @@ fn sync(
     data_dir: &Path,
     files: &[DirtyFile],
     lanes: &mut SyncLanes,
-) -> std::io::Result<()> {
+) -> std::io::Result<Unopened> {
     match method {
         FlushMethod::Syncfs => syncfs(data_dir),
         FlushMethod::WalFiles => {
@@ -529,12 +661,12 @@ pub(crate) struct SyncLanes {
 /// A part of one pass for one lane, and where its result goes.
 struct LaneJob {
     files: Vec<(Arc<WalFile>, bool)>,
-    done: mpsc::Sender<std::io::Result<()>>,
+    done: mpsc::Sender<std::io::Result<Unopened>>,
 }
 
 impl SyncLanes {
     /// Syncs `files`, spread over up to [`SYNC_LANES`] lanes.
-    fn sync(&mut self, files: Vec<(Arc<WalFile>, bool)>) -> std::io::Result<()> {
+    fn sync(&mut self, files: Vec<(Arc<WalFile>, bool)>) -> std::io::Result<Unopened> {
         let wanted = files.len().clamp(1, SYNC_LANES);
         if wanted == 1 {
             return sync_wal_files(&files);
@@ -543,6 +675,7 @@ impl SyncLanes {
         let (done, results) = mpsc::channel();
         let mut sent = 0;
         let mut first_error = None;
+        let mut unopened = Unopened::default();
         let mut parts = files.chunks(chunk);
         for lane in 0.. {
             let Some(part) = parts.next() else {
@@ -556,33 +689,36 @@ impl SyncLanes {
                 Some(sender) => match sender.send(job) {
                     Ok(()) => sent += 1,
                     // The lane's thread is gone: sync its part here.
-                    Err(mpsc::SendError(job)) => {
-                        if let Err(error) = sync_wal_files(&job.files) {
+                    Err(mpsc::SendError(job)) => match sync_wal_files(&job.files) {
+                        Ok(part) => unopened.merge(part),
+                        Err(error) => {
                             first_error.get_or_insert(error);
                         }
-                    }
+                    },
                 },
-                None => {
-                    if let Err(error) = sync_wal_files(&job.files) {
+                None => match sync_wal_files(&job.files) {
+                    Ok(part) => unopened.merge(part),
+                    Err(error) => {
                         first_error.get_or_insert(error);
                     }
-                }
+                },
             }
         }
         drop(done);
         for _ in 0..sent {
             match results.recv() {
-                Ok(Ok(())) => {}
+                Ok(Ok(part)) => unopened.merge(part),
                 Ok(Err(error)) => {
                     first_error.get_or_insert(error);
                 }
                 Err(_) => {
-                    first_error.get_or_insert(std::io::Error::other("a sync lane stopped"));
+                    // Its files may not be synced; syncing them again is safe.
+                    unopened.merge(Unopened::everything(&"a sync lane stopped"));
                     break;
                 }
             }
         }
-        first_error.map_or(Ok(()), Err)
+        first_error.map_or(Ok(unopened), Err)
     }
 
     /// Lane `n`, started on first use; `None` when no thread can start
@@ -607,32 +743,56 @@ impl SyncLanes {
 
 /// `fdatasync` of each WAL (a missing one was checkpointed and synced by
 /// its close), then of the directories of WALs that may be new.
-fn sync_wal_files(files: &[(Arc<WalFile>, bool)]) -> std::io::Result<()> {
-    let mut dirs = HashSet::new();
+/// A file that cannot be opened is left in the result, to be tried again;
+/// a failed sync is an error.
+fn sync_wal_files(files: &[(Arc<WalFile>, bool)]) -> std::io::Result<Unopened> {
+    let mut unopened = Unopened::default();
+    let mut dirs: HashMap<&Path, Vec<usize>> = HashMap::new();
     for (wal, new_wal) in files {
-        if !wal.sync()? {
-            continue;
+        match wal.sync() {
+            Ok(true) => crate::telemetry::fsynced(),
+            Ok(false) => continue,
+            Err(SyncError {
+                error,
+                retryable: true,
+            }) => {
+                unopened.add(wal.key(), &error);
+                continue;
+            }
+            Err(SyncError { error, .. }) => return Err(error),
         }
-        crate::telemetry::fsynced();
         if *new_wal && let Some(dir) = wal.path.parent() {
-            dirs.insert(dir);
+            dirs.entry(dir).or_default().push(wal.key());
         }
     }
-    for dir in dirs {
-        File::open(dir)?.sync_all()?;
-        crate::telemetry::fsynced();
+    for (dir, wals) in dirs {
+        match File::open(dir) {
+            Ok(handle) => {
+                handle.sync_all()?;
+                crate::telemetry::fsynced();
+            }
+            Err(error) => {
+                for key in wals {
+                    unopened.add(key, &error);
+                }
+            }
+        }
     }
-    Ok(())
+    Ok(unopened)
 }
 
 #[cfg(target_os = "linux")]
-fn syncfs(data_dir: &Path) -> std::io::Result<()> {
-    let dir = File::open(data_dir)?;
-    rustix::fs::syncfs(&dir).map_err(std::io::Error::from)
+fn syncfs(data_dir: &Path) -> std::io::Result<Unopened> {
+    match File::open(data_dir) {
+        Ok(dir) => rustix::fs::syncfs(&dir)
+            .map(|()| Unopened::default())
+            .map_err(std::io::Error::from),
+        Err(error) => Ok(Unopened::everything(&error)),
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn syncfs(_data_dir: &Path) -> std::io::Result<()> {
+fn syncfs(_data_dir: &Path) -> std::io::Result<Unopened> {
     // The builder refuses Syncfs elsewhere; this is never reached.
     Err(std::io::Error::other("syncfs is Linux only"))
 }
@@ -805,10 +965,84 @@ mod tests {
 
     /// A group commit over `dir` with its flusher thread.
     fn start(dir: &Path, method: FlushMethod, delay: Duration) -> (Arc<GroupCommit>, Flusher) {
+        start_with_retry(dir, method, delay, OPEN_RETRY_WINDOW)
+    }
+
+    fn start_with_retry(
+        dir: &Path,
+        method: FlushMethod,
+        delay: Duration,
+        open_retry: Duration,
+    ) -> (Arc<GroupCommit>, Flusher) {
         let (index, _) = AlarmIndex::open(dir, Synchronous::Batched, None).unwrap();
-        let group = GroupCommit::new(dir, method, Arc::new(index), false, None, delay);
+        let group = GroupCommit::new(dir, method, Arc::new(index), false, None, delay, open_retry);
         let flusher = Flusher::start(&group, dir).unwrap();
         (group, flusher)
+    }
+
+    #[tokio::test]
+    async fn a_log_that_cannot_be_opened_is_tried_again_and_its_reply_waits_without_failing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (group, _flusher) = start(dir.path(), FlushMethod::WalFiles, Duration::from_secs(3600));
+        // Opening a path under a regular file fails (ENOTDIR): a failure to
+        // open, as running out of descriptors is, not a failed sync.
+        let blocker = dir.path().join("objects");
+        std::fs::write(&blocker, b"not a directory").unwrap();
+        let stuck = WalFile::new(&blocker.join("a.sqlite-wal"));
+        let mark = commit(&group, &stuck);
+        let gate = {
+            let group = Arc::clone(&group);
+            let mark = mark.clone();
+            tokio::spawn(async move { group.gate(&mark).await })
+        };
+        // Several retries fail meanwhile; none of them shuts the gates.
+        let mut durable = group.durable.subscribe();
+        let waited = tokio::time::timeout(
+            Duration::from_millis(100),
+            durable.wait_for(|d| d.failed.is_some()),
+        )
+        .await;
+        assert!(waited.is_err(), "a failed open shut the gates");
+        assert!(!mark.is_durable());
+        assert!(!gate.is_finished());
+        // Another object's reply is still released meanwhile.
+        let other_wal = wal(dir.path(), "b.sqlite-wal");
+        let other = commit(&group, &other_wal);
+        group.gate(&other).await.unwrap();
+
+        // The cause goes away: the next retry syncs the file.
+        std::fs::remove_file(&blocker).unwrap();
+        std::fs::create_dir(&blocker).unwrap();
+        std::fs::write(blocker.join("a.sqlite-wal"), b"frames").unwrap();
+        tokio::time::timeout(Duration::from_secs(60), gate)
+            .await
+            .expect("the retried sync never released the reply")
+            .unwrap()
+            .unwrap();
+        assert!(mark.is_durable());
+    }
+
+    #[tokio::test]
+    async fn a_log_that_keeps_failing_to_open_shuts_the_gates_after_the_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let (group, _flusher) = start_with_retry(
+            dir.path(),
+            FlushMethod::WalFiles,
+            Duration::from_secs(3600),
+            Duration::ZERO,
+        );
+        let blocker = dir.path().join("objects");
+        std::fs::write(&blocker, b"not a directory").unwrap();
+        let stuck = WalFile::new(&blocker.join("a.sqlite-wal"));
+        let mark = commit(&group, &stuck);
+        let error = tokio::time::timeout(Duration::from_secs(60), group.gate(&mark))
+            .await
+            .expect("the gate never gave up")
+            .unwrap_err();
+        assert!(error.contains("Not a directory"), "{error}");
+        // Shut for good, also for files that would sync.
+        let fine = wal(dir.path(), "b.sqlite-wal");
+        assert!(group.gate(&commit(&group, &fine)).await.is_err());
     }
 
     /// A log file with something in it.
@@ -910,6 +1144,7 @@ mod tests {
                 first_seq: 4,
                 last_seq: 7,
                 due,
+                failing_since: None,
             },
         );
         assert_eq!(dirty.floor(), 3);
@@ -924,6 +1159,7 @@ mod tests {
                 first_seq: u64::MAX,
                 last_seq: 0,
                 due,
+                failing_since: None,
             },
         );
         assert_eq!(dirty.floor(), 9);

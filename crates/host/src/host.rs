@@ -174,6 +174,7 @@ pub struct HostBuilder {
     clock_start_ms: Option<EpochMs>,
     max_live_objects: Option<usize>,
     flush_method: FlushMethod,
+    open_retry_window: Duration,
     sync_images: Option<PathBuf>,
 }
 
@@ -189,6 +190,7 @@ impl Host {
             clock_start_ms: None,
             max_live_objects: None,
             flush_method: FlushMethod::default(),
+            open_retry_window: flush::OPEN_RETRY_WINDOW,
             sync_images: None,
         }
     }
@@ -223,6 +225,18 @@ impl HostBuilder {
     /// `Syncfs` is refused outside Linux.
     pub fn flush_method(mut self, method: FlushMethod) -> Self {
         self.flush_method = method;
+        self
+    }
+
+    /// How long group commit keeps retrying a file it cannot open for its
+    /// sync (the process out of descriptors, the directory moved away)
+    /// before it shuts the gates: until then the replies that wait for the
+    /// file wait, and every other object's replies go on. A failure of the
+    /// sync itself is never retried (see [`CallError::NotDurable`]).
+    /// Ignored in the other modes and in inline mode (`threads(0)`), where
+    /// the first failure shuts the gates. Default: 30 s.
+    pub fn open_retry_window(mut self, window: Duration) -> Self {
+        self.open_retry_window = window;
         self
     }
 
@@ -376,6 +390,7 @@ impl HostBuilder {
                 threads == 0,
                 images,
                 flush::UNAWAITED_SYNC_DELAY,
+                self.open_retry_window,
             )
         });
         let flusher = group

@@ -15,6 +15,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::rc::Rc;
+use std::time::Duration;
 
 use durability_host::{CallError, FlushMethod, Host, HostError, ObjectId, Synchronous};
 use durability_platform::Context;
@@ -220,6 +221,8 @@ async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
     let host = Host::builder(&dir)
         .threads(1)
         .flush_method(FlushMethod::Syncfs)
+        // A file that cannot be opened fails the sync at once.
+        .open_retry_window(Duration::ZERO)
         .build()
         .unwrap();
     let stub = notes(&host).stub("unlucky").unwrap();
@@ -240,6 +243,53 @@ async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
             "{error}"
         );
     }
+    host.shutdown().await;
+}
+
+/// (With `WalFiles` a moved directory reads as WALs removed by their close,
+/// which count as synced: the flusher's own tests cover a WAL that cannot
+/// be opened.)
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn a_data_directory_that_cannot_be_opened_for_a_while_holds_replies_until_it_can() {
+    let method = FlushMethod::Syncfs;
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("data");
+    let moved = parent.path().join("moved");
+    let host = Host::builder(&dir)
+        .threads(1)
+        .flush_method(method)
+        .build()
+        .unwrap();
+    let stub = notes(&host).stub("patient").unwrap();
+    stub.call(|o: Rc<Notes>| async move { o.add("before") })
+        .await
+        .unwrap()
+        .unwrap();
+    // Moved away, the directory cannot be opened by its path; SQLite
+    // keeps its open files and commits on.
+    std::fs::rename(&dir, &moved).unwrap();
+    let call = {
+        let stub = stub.clone();
+        tokio::spawn(async move {
+            stub.call(|o: Rc<Notes>| async move { o.add("during") })
+                .await
+        })
+    };
+    // Retries fail meanwhile; the reply waits and is not failed.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!call.is_finished(), "{method:?}: the reply was not held");
+    std::fs::rename(&moved, &dir).unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(60), call)
+        .await
+        .expect("the reply was never released")
+        .unwrap();
+    assert!(matches!(reply, Ok(Ok(()))), "{method:?}: {reply:?}");
+    // The gates stayed open.
+    stub.call(|o: Rc<Notes>| async move { o.add("after") })
+        .await
+        .unwrap()
+        .unwrap();
     host.shutdown().await;
 }
 
