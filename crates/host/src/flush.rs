@@ -243,6 +243,8 @@ struct DirtyFile {
     last_seq: u64,
     /// When it must be synced: at once once something waits on it.
     due: Instant,
+    /// Whether something waits on it (rather than its delay running out).
+    urged: bool,
     /// Since when its passes have failed to open it (see [`SyncError`]).
     failing_since: Option<Instant>,
 }
@@ -368,6 +370,7 @@ impl GroupCommit {
                 first_seq: seq,
                 last_seq: seq,
                 due,
+                urged: false,
                 failing_since: None,
             });
             entry.new_wal |= new_wal;
@@ -391,6 +394,7 @@ impl GroupCommit {
             match dirty.files.get_mut(&wal.key()) {
                 Some(file) if file.due > now => {
                     file.due = now;
+                    file.urged = true;
                     true
                 }
                 // Already due, or taken by a pass under way (which syncs
@@ -454,6 +458,7 @@ impl GroupCommit {
             let now = Instant::now();
             for file in dirty.files.values_mut() {
                 file.due = file.due.min(now);
+                file.urged = true;
             }
             dirty.last_seq
         };
@@ -555,6 +560,7 @@ impl GroupCommit {
                         newer.last_seq = newer.last_seq.max(file.last_seq);
                         newer.new_wal |= file.new_wal;
                         newer.due = due;
+                        newer.urged = false;
                         newer.failing_since = Some(since);
                     }
                     None => {
@@ -562,6 +568,7 @@ impl GroupCommit {
                             key,
                             DirtyFile {
                                 due,
+                                urged: false,
                                 failing_since: Some(since),
                                 ..file
                             },
@@ -577,15 +584,28 @@ impl GroupCommit {
     }
 
     /// Takes the files due now (all of them when stopping, with no delay,
-    /// or with `syncfs`, which syncs them all anyway). Files due within a
-    /// quarter of the delay come along: their sync then shares this pass.
+    /// or with `syncfs`, which syncs them all anyway). When a file's delay
+    /// ran out, files due within a quarter of the delay come along, so the
+    /// unawaited commits share passes; a pass for waiting replies takes
+    /// only what is due, and stays short (with one caller over 100
+    /// objects, taking the others too made every reply wait for about 20
+    /// syncs).
     fn take_due(&self) -> Vec<DirtyFile> {
         let mut dirty = self.lock_dirty();
         let all = dirty.stop || self.delay.is_zero() || self.method == FlushMethod::Syncfs;
         if all {
             return dirty.files.drain().map(|(_, file)| file).collect();
         }
-        let horizon = Instant::now() + self.delay / 4;
+        let now = Instant::now();
+        let delay_ran_out = dirty
+            .files
+            .values()
+            .any(|file| file.due <= now && !file.urged);
+        let horizon = if delay_ran_out {
+            now + self.delay / 4
+        } else {
+            now
+        };
         let due: Vec<usize> = dirty
             .files
             .iter()
@@ -612,6 +632,7 @@ impl GroupCommit {
                     first_seq: u64::MAX,
                     last_seq: 0,
                     due,
+                    urged: false,
                     failing_since: None,
                 });
             wake
@@ -1128,6 +1149,46 @@ mod tests {
     }
 
     #[test]
+    fn a_pass_for_a_waiting_reply_takes_only_what_is_due_and_a_timer_pass_gathers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (index, _) = AlarmIndex::open(dir.path(), Synchronous::Batched, None).unwrap();
+        // No flusher thread: the test takes the files itself.
+        let group = GroupCommit::new(
+            dir.path(),
+            FlushMethod::WalFiles,
+            Arc::new(index),
+            false,
+            None,
+            Duration::from_secs(3600),
+            OPEN_RETRY_WINDOW,
+        );
+        let soon = Instant::now() + Duration::from_secs(60);
+        let due_within = |wal: &Arc<WalFile>, at: Instant| {
+            if let Some(file) = group.lock_dirty().files.get_mut(&wal.key()) {
+                file.due = at;
+            }
+        };
+        let lazy = WalFile::new(Path::new("lazy.sqlite-wal"));
+        let waited = WalFile::new(Path::new("waited.sqlite-wal"));
+        commit(&group, &lazy);
+        due_within(&lazy, soon);
+        let mark = commit(&group, &waited);
+        group.urge(&mark);
+        let taken: Vec<usize> = group.take_due().iter().map(|f| f.wal.key()).collect();
+        assert_eq!(taken, vec![waited.key()], "a reply's pass stays short");
+
+        // A delay ran out: the pass also takes what is due soon.
+        let late = WalFile::new(Path::new("late.sqlite-wal"));
+        commit(&group, &late);
+        due_within(&late, Instant::now() - Duration::from_millis(1));
+        let mut taken: Vec<usize> = group.take_due().iter().map(|f| f.wal.key()).collect();
+        taken.sort_unstable();
+        let mut expected = vec![lazy.key(), late.key()];
+        expected.sort_unstable();
+        assert_eq!(taken, expected);
+    }
+
+    #[test]
     fn the_floor_stops_below_the_oldest_commit_still_dirty() {
         let mut dirty = Dirty {
             last_seq: 9,
@@ -1144,6 +1205,7 @@ mod tests {
                 first_seq: 4,
                 last_seq: 7,
                 due,
+                urged: false,
                 failing_since: None,
             },
         );
@@ -1159,6 +1221,7 @@ mod tests {
                 first_seq: u64::MAX,
                 last_seq: 0,
                 due,
+                urged: false,
                 failing_since: None,
             },
         );
