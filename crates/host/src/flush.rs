@@ -995,10 +995,20 @@ mod tests {
         delay: Duration,
         open_retry: Duration,
     ) -> (Arc<GroupCommit>, Flusher) {
-        let (index, _) = AlarmIndex::open(dir, Synchronous::Batched, None).unwrap();
-        let group = GroupCommit::new(dir, method, Arc::new(index), false, None, delay, open_retry);
+        let group = group(dir, method, delay, open_retry);
         let flusher = Flusher::start(&group, dir).unwrap();
         (group, flusher)
+    }
+
+    /// A group commit over `dir` whose passes nobody drives.
+    fn group(
+        dir: &Path,
+        method: FlushMethod,
+        delay: Duration,
+        open_retry: Duration,
+    ) -> Arc<GroupCommit> {
+        let (index, _) = AlarmIndex::open(dir, Synchronous::Batched, None).unwrap();
+        GroupCommit::new(dir, method, Arc::new(index), false, None, delay, open_retry)
     }
 
     #[tokio::test]
@@ -1151,14 +1161,10 @@ mod tests {
     #[test]
     fn a_pass_for_a_waiting_reply_takes_only_what_is_due_and_a_timer_pass_gathers() {
         let dir = tempfile::tempdir().unwrap();
-        let (index, _) = AlarmIndex::open(dir.path(), Synchronous::Batched, None).unwrap();
         // No flusher thread: the test takes the files itself.
-        let group = GroupCommit::new(
+        let group = group(
             dir.path(),
             FlushMethod::WalFiles,
-            Arc::new(index),
-            false,
-            None,
             Duration::from_secs(3600),
             OPEN_RETRY_WINDOW,
         );
