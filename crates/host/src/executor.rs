@@ -36,8 +36,8 @@ pub(crate) mod testing;
 /// Work sent to an executor from any thread.
 pub(crate) type Job = Box<dyn FnOnce(&Rc<Executor>) + Send>;
 
-/// What a call sends back: its result, and the number of the object's
-/// last commit when the result was made (0: none), for the output gate.
+/// What a call sends back: its result, and the object's last commit when
+/// the result was made (the default: none), for the output gate.
 pub(crate) struct Reply<R> {
     pub(crate) result: Result<R, CallError>,
     pub(crate) after: CommitMark,

@@ -356,25 +356,38 @@ impl GroupCommit {
     /// may be a directory entry that was never synced. Returns its number.
     /// Nothing waits for it yet: see [`GroupCommit::gate`].
     pub(crate) fn committed(&self, wal: &Arc<WalFile>, new_wal: bool) -> u64 {
+        self.mark_dirty(wal, new_wal, true)
+    }
+
+    /// Names `wal` dirty, due after the delay if it was clean; a
+    /// `numbered` write takes the next commit number (returned; else 0).
+    fn mark_dirty(&self, wal: &Arc<WalFile>, new_wal: bool, numbered: bool) -> u64 {
         let (seq, wake) = {
             let mut dirty = self.lock_dirty();
-            dirty.last_seq += 1;
-            let seq = dirty.last_seq;
             // The driver sleeps until the earliest due file; a new file is
             // due last, so only a first one (or no delay) needs it awake.
             let wake = dirty.files.is_empty() || self.delay.is_zero();
+            let seq = if numbered {
+                dirty.last_seq += 1;
+                dirty.last_seq
+            } else {
+                0
+            };
             let due = Instant::now() + self.delay;
             let entry = dirty.files.entry(wal.key()).or_insert_with(|| DirtyFile {
                 wal: Arc::clone(wal),
                 new_wal: false,
-                first_seq: seq,
-                last_seq: seq,
+                first_seq: u64::MAX,
+                last_seq: 0,
                 due,
                 urged: false,
                 failing_since: None,
             });
             entry.new_wal |= new_wal;
-            entry.last_seq = seq;
+            if numbered {
+                entry.first_seq = entry.first_seq.min(seq);
+                entry.last_seq = seq;
+            }
             (seq, wake)
         };
         if wake {
@@ -617,29 +630,9 @@ impl GroupCommit {
             .collect()
     }
 
-    /// The index wrote to its log: sync it within the delay.
+    /// The index wrote to its log (not numbered): sync it within the delay.
     fn index_dirty(&self) {
-        let wake = {
-            let mut dirty = self.lock_dirty();
-            let wake = dirty.files.is_empty() || self.delay.is_zero();
-            let due = Instant::now() + self.delay;
-            dirty
-                .files
-                .entry(self.index_wal.key())
-                .or_insert_with(|| DirtyFile {
-                    wal: Arc::clone(&self.index_wal),
-                    new_wal: false,
-                    first_seq: u64::MAX,
-                    last_seq: 0,
-                    due,
-                    urged: false,
-                    failing_since: None,
-                });
-            wake
-        };
-        if wake {
-            self.wake_driver();
-        }
+        self.mark_dirty(&self.index_wal, false, false);
     }
 }
 

@@ -47,12 +47,13 @@ pub enum Synchronous {
     /// objects together (see [`FlushMethod`]), and a reply of
     /// [`Stub::call`] is released only once every commit its object made
     /// before the reply is durable. A commit no reply waits for is synced
-    /// within 50 ms, or with its object's next awaited commit. So whatever a caller saw survives a
-    /// power loss, as with `Full`; work the host runs by itself (alarms,
-    /// timers, in-process consumers) is not held and may be repeated after
-    /// a power loss, but the host's alarm index never records an alarm as
-    /// cleared before the clearing commit is durable. A failed sync shuts
-    /// the gates for good ([`CallError::NotDurable`]).
+    /// within 50 ms, or with its object's next awaited commit. So whatever
+    /// a caller saw survives a power loss, as with `Full`; work the host
+    /// runs by itself (alarms, timers, in-process consumers) is not held
+    /// and may be repeated after a power loss, but the host's alarm index
+    /// never records an alarm as cleared before the clearing commit is
+    /// durable. A failed sync shuts the gates for good
+    /// ([`CallError::NotDurable`]).
     #[default]
     Batched,
     /// `synchronous=FULL`: each commit is synced to disk before it returns.
