@@ -37,7 +37,10 @@
 //!   commits: a synced WAL keeps every commit before the sync, whatever
 //!   the kernel wrote back on its own in between.
 //! - A file closed since its commit (eviction, shutdown) was checkpointed
-//!   on close, and checkpoints sync; a missing WAL is therefore durable.
+//!   on close, and checkpoints sync; a missing WAL is therefore durable,
+//!   unless its directory is missing too (the data directory was moved
+//!   under the open files): that one is retried like a file that cannot
+//!   be opened.
 //! - A WAL created since the object was opened is a new directory entry:
 //!   its directory is synced too, once per pass.
 //! - [`FlushMethod::Syncfs`] replaces the whole pass with one `syncfs` of
@@ -178,7 +181,10 @@ impl WalFile {
     }
 
     /// `fdatasync`s the log. `Ok(false)`: there is none (it was
-    /// checkpointed and removed by its close, which synced it).
+    /// checkpointed and removed by its close, which synced it). A log
+    /// whose directory is gone too was not removed by a close: the data
+    /// directory was moved or unmounted under the open files, and the
+    /// pass tries it again (retryable) rather than count it synced.
     ///
     /// Opened for each sync rather than kept open: a live object is
     /// budgeted [`FDS_PER_LIVE_OBJECT`](crate::FDS_PER_LIVE_OBJECT)
@@ -191,7 +197,12 @@ impl WalFile {
                 error,
                 retryable: false,
             }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    && self.path.parent().is_some_and(Path::is_dir) =>
+            {
+                Ok(false)
+            }
             Err(error) => Err(SyncError {
                 error,
                 retryable: true,

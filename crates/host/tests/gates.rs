@@ -213,14 +213,28 @@ async fn the_index_in_every_sync_image_is_never_later_than_the_object_file() {
     assert_eq!((in_file, in_index), (None, None));
 }
 
-#[cfg(target_os = "linux")]
+/// Both flush methods, where the platform has them.
+fn flush_methods() -> Vec<FlushMethod> {
+    let mut methods = vec![FlushMethod::WalFiles];
+    if cfg!(target_os = "linux") {
+        methods.push(FlushMethod::Syncfs);
+    }
+    methods
+}
+
 #[tokio::test]
 async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
+    for method in flush_methods() {
+        a_failed_sync_withholds_replies(method).await;
+    }
+}
+
+async fn a_failed_sync_withholds_replies(method: FlushMethod) {
     let parent = tempfile::tempdir().unwrap();
     let dir = parent.path().join("data");
     let host = Host::builder(&dir)
         .threads(1)
-        .flush_method(FlushMethod::Syncfs)
+        .flush_method(method)
         // A file that cannot be opened fails the sync at once.
         .open_retry_window(Duration::ZERO)
         .build()
@@ -230,8 +244,8 @@ async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
         .await
         .unwrap()
         .unwrap();
-    // The flusher opens the data directory to sync its filesystem: moved
-    // away, the sync fails. SQLite keeps its open files.
+    // The flusher opens the data directory (syncfs) or the object's WAL
+    // by its path: moved away, neither opens. SQLite keeps its open files.
     std::fs::rename(&dir, parent.path().join("moved")).unwrap();
     for text in ["after", "later"] {
         let error = stub
@@ -240,19 +254,22 @@ async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
             .unwrap_err();
         assert!(
             matches!(&error, CallError::NotDurable { message, .. } if message.contains("sync")),
-            "{error}"
+            "{method:?}: {error}"
         );
     }
     host.shutdown().await;
 }
 
-/// (With `WalFiles` a moved directory reads as WALs removed by their close,
-/// which count as synced: the flusher's own tests cover a WAL that cannot
-/// be opened.)
-#[cfg(target_os = "linux")]
+/// With `WalFiles` the WAL is missing from its path: not a WAL a close
+/// removed (its directory is gone too), so it is not counted as synced.
 #[tokio::test]
 async fn a_data_directory_that_cannot_be_opened_for_a_while_holds_replies_until_it_can() {
-    let method = FlushMethod::Syncfs;
+    for method in flush_methods() {
+        replies_wait_for_the_directory(method).await;
+    }
+}
+
+async fn replies_wait_for_the_directory(method: FlushMethod) {
     let parent = tempfile::tempdir().unwrap();
     let dir = parent.path().join("data");
     let moved = parent.path().join("moved");
