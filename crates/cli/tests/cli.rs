@@ -253,6 +253,55 @@ fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
 }
 
 #[test]
+fn bench_operations_quick_writes_the_headline_and_cpu_per_operation() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let json = dir.path().join("operations.json");
+    let output = durability(&[
+        "bench",
+        "operations",
+        "--quick",
+        "--json",
+        path_arg(&json),
+        "--data-dir",
+        path_arg(&dir.path().join("bench")),
+    ]);
+    assert!(succeeded(&output));
+    let text = std::fs::read(&json).unwrap_or_else(|e| panic!("no JSON file written: {e}"));
+    let result = json_of(&text);
+    assert_eq!(result["scenario"], "operations");
+    assert_eq!(result["headline"], "default/10-objects/64-callers");
+    for field in ["ops_per_sec", "floor_ratio", "p50_us", "p99_us"] {
+        assert!(
+            result[field].as_f64().is_some_and(|v| v > 0.0),
+            "{field} is {:?}",
+            result[field]
+        );
+    }
+    let measurements = result["measurements"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no measurements in {result}"));
+    let end_to_end: Vec<&Value> = measurements
+        .iter()
+        .filter(|m| m["name"].as_str().is_some_and(|n| n.ends_with("-callers")))
+        .collect();
+    // Three modes, two placements, two caller counts.
+    assert_eq!(end_to_end.len(), 12, "{result}");
+    for m in end_to_end {
+        let (total, user, sys) = (
+            m["cpu_us_per_op"].as_f64(),
+            m["cpu_user_us_per_op"].as_f64(),
+            m["cpu_sys_us_per_op"].as_f64(),
+        );
+        assert!(total.is_some_and(|t| t > 0.0), "{m}");
+        if let (Some(total), Some(user), Some(sys)) = (total, user, sys) {
+            assert!((user + sys - total).abs() <= 0.2, "{m}");
+        } else {
+            panic!("no CPU split in {m}");
+        }
+    }
+}
+
+#[test]
 fn bench_rejects_an_unknown_scenario() {
     let output = durability(&["bench", "no-such-scenario"]);
     assert!(!output.status.success());

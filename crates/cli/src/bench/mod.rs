@@ -46,7 +46,8 @@ instead of one fdatasync per dirty WAL), full/..., normal/....
                100, per mode; p50/p99 = one registration as its caller waits.
                Top-level ops_per_sec = default/100-objects/64-callers;
                top-level floor_ratio = that / full/write (the FULL 1-row
-               commit rate of raw SQLite, same run).
+               commit rate of raw SQLite, same run); cpu_us_per_op = the
+               process's CPU time per operation (user + system).
   host-calls   64 callers over 1 and 1,000 objects, each call one commit, per
                mode (with default-syncfs): ops_per_sec = replies/s,
                commits_per_sec = commits returned inside the objects.

@@ -10,6 +10,11 @@
 //! waits for its gate), divided by the FULL 1-row commit floor measured in
 //! the same run. The JSON's top-level `ops_per_sec` and `floor_ratio` are
 //! those of the default mode with 64 callers across 100 objects.
+//!
+//! Each end-to-end figure also carries the CPU time the whole process
+//! spent per operation (`cpu_us_per_op`, split into user and system): on
+//! a machine whose cores the run saturates, throughput is that figure's
+//! inverse, and it shows what each mode's syncing costs.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -22,6 +27,7 @@ use tokio::sync::mpsc;
 
 use super::host_calls::{count, drive};
 use super::modes::MODES;
+use super::rss;
 use super::sqlite_floor::{self, SyncMode};
 use super::{BenchEnv, BenchError, Measurement, ScenarioReport};
 
@@ -92,6 +98,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             format!("host: {threads} executor threads, default scheduler options; modes: default (group commit with output gates), full, normal"),
             format!("1 or {CALLERS} callers register no-op operations; ops/s = end to end, from the first registration until the last completion committed; p50/p99 = one registration call as its caller waits for it (the reply is released once durable in the default mode)"),
             "÷ floor: end-to-end ops/s divided by full/write, raw SQLite committing one row per transaction with synchronous=FULL, measured in the same run".into(),
+            "cpu_us_per_op (JSON): CPU time of the whole process (every thread: host, flusher, callers) from the first registration to the last completion, per operation".into(),
         ],
     };
     runtime.block_on(async {
@@ -138,6 +145,7 @@ async fn measure(
     let mut measured = Vec::new();
     for (callers, total) in [(1, env.size(2_000, 100)), (CALLERS, env.size(20_000, 500))] {
         let name = format!("{label}/{callers}-callers");
+        let cpu_before = rss::cpu_time();
         let started = Instant::now();
         let calls = Arc::clone(&stubs);
         let prefix = format!("{callers}-");
@@ -151,6 +159,7 @@ async fn measure(
         )
         .await?;
         wait_for_completions(env, &format!("{name}/complete"), total, &mut done).await?;
+        let cpu = cpu_before.zip(rss::cpu_time());
         let mut end_to_end = Measurement {
             name,
             what: format!(
@@ -168,6 +177,17 @@ async fn measure(
             "register_ops_per_sec",
             (registered.ops_per_sec() * 10.0).round() / 10.0,
         );
+        if let Some(((user_before, sys_before), (user, sys))) = cpu {
+            let per_op = |spent: Duration| {
+                (spent.as_secs_f64() * 1e6 / total.max(1) as f64 * 10.0).round() / 10.0
+            };
+            let user = user.saturating_sub(user_before);
+            let sys = sys.saturating_sub(sys_before);
+            end_to_end = end_to_end
+                .with("cpu_us_per_op", per_op(user + sys))
+                .with("cpu_user_us_per_op", per_op(user))
+                .with("cpu_sys_us_per_op", per_op(sys));
+        }
         end_to_end.compare_with_floor(floor);
         measured.push(end_to_end);
     }

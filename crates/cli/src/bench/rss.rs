@@ -1,10 +1,11 @@
-//! Resident memory and open file descriptors of this process, for the
-//! per-object figures of the host scenarios.
+//! Resident memory, open file descriptors and CPU time of this process,
+//! for the per-object and per-operation figures of the host scenarios.
 //!
-//! Read from `/proc/self`, so only on Linux; elsewhere the figures are left
-//! out rather than guessed.
+//! Memory and descriptors are read from `/proc/self`, so only on Linux;
+//! elsewhere the figures are left out rather than guessed.
 
 use std::fs;
+use std::time::Duration;
 
 /// Resident set size in bytes, after giving freed heap back to the system
 /// so that memory the host released is not counted as still in use.
@@ -19,6 +20,32 @@ pub fn resident_bytes() -> Option<u64> {
 pub fn open_fds() -> Option<u64> {
     let entries = fs::read_dir("/proc/self/fd").ok()?;
     u64::try_from(entries.count()).ok()
+}
+
+/// CPU time this process has used so far, every thread's: user, system.
+#[cfg(unix)]
+pub fn cpu_time() -> Option<(Duration, Duration)> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the pointer it is given,
+    // which points to a zeroed value of that type.
+    let usage = unsafe {
+        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
+            return None;
+        }
+        usage.assume_init()
+    };
+    let time = |t: libc::timeval| {
+        Some(
+            Duration::from_secs(u64::try_from(t.tv_sec).ok()?)
+                + Duration::from_micros(u64::try_from(t.tv_usec).ok()?),
+        )
+    };
+    Some((time(usage.ru_utime)?, time(usage.ru_stime)?))
+}
+
+#[cfg(not(unix))]
+pub fn cpu_time() -> Option<(Duration, Duration)> {
+    None
 }
 
 fn page_size_bytes() -> Option<u64> {
