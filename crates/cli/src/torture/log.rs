@@ -486,7 +486,7 @@ impl Workload for LogWorkload {
         life: &Life,
     ) -> Result<bool, TortureError> {
         let mut worked = false;
-        let mut rng = life.rng("consume log");
+        let mut rng = life.pass_rng("consume log");
         for stub in objects.all() {
             for (consumer, limit) in CONSUMERS {
                 let (from, records, next) = stub

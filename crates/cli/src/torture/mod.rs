@@ -27,6 +27,7 @@ mod supervisor;
 mod verdict;
 mod workload;
 
+use std::cell::Cell;
 use std::fs;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -303,6 +304,7 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, TortureError> {
         index: args.life,
         is_final: args.is_final,
         items: args.items,
+        passes: Cell::new(0),
     };
     Ok((entry.life)(&life)?.exit_code())
 }

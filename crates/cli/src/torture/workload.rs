@@ -12,6 +12,7 @@
 //! Adding a workload: one module with a type implementing [`Workload`], and
 //! one line in `WORKLOADS` in `torture/mod.rs`.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -151,6 +152,8 @@ pub struct Life {
     pub is_final: bool,
     /// Items of the whole run.
     pub items: u64,
+    /// Passes of the consumers so far, so each pass draws anew.
+    pub passes: Cell<u64>,
 }
 
 impl Life {
@@ -167,6 +170,18 @@ impl Life {
     /// A random generator for `purpose` in this life, derived from the seed.
     pub fn rng(&self, purpose: &str) -> StdRng {
         StdRng::seed_from_u64(roll(self.seed, purpose, "life", u64::from(self.index)))
+    }
+
+    /// A random generator for `purpose` in the next pass of this life's
+    /// consumers: each pass draws differently. (One generator per life
+    /// made every pass draw the same: with a single range left, the leased
+    /// consumer nacked it on every pass, 18,299 times, until the final
+    /// life's settle timeout.)
+    pub fn pass_rng(&self, purpose: &str) -> StdRng {
+        let pass = self.passes.get();
+        self.passes.set(pass.wrapping_add(1));
+        let life = roll(self.seed, purpose, "life", u64::from(self.index));
+        StdRng::seed_from_u64(roll(life, purpose, "pass", pass))
     }
 
     /// Sleeps a random moment between two items.
@@ -456,6 +471,28 @@ mod tests {
     }
 
     #[test]
+    fn each_pass_of_a_life_draws_anew_and_a_rerun_draws_the_same() {
+        use rand::Rng as _;
+        let life = || Life {
+            files: Files::new(PathBuf::from("unused")),
+            seed: 7,
+            index: 3,
+            is_final: true,
+            items: 20,
+            passes: Cell::new(0),
+        };
+        let draws = |life: &Life| -> Vec<u64> {
+            (0..8)
+                .map(|_| life.pass_rng("consume").random_range(0..100))
+                .collect()
+        };
+        let (first, again) = (draws(&life()), draws(&life()));
+        assert_eq!(first, again, "a run with the same seed must repeat");
+        let distinct: std::collections::BTreeSet<_> = first.iter().collect();
+        assert!(distinct.len() > 1, "every pass drew the same: {first:?}");
+    }
+
+    #[test]
     fn quotas_spread_production_over_the_lives() {
         let life = |index, is_final| Life {
             files: Files::new(PathBuf::from("unused")),
@@ -463,6 +500,7 @@ mod tests {
             index,
             is_final,
             items: 20,
+            passes: Cell::new(0),
         };
         assert_eq!(life(0, false).quota(), ITEMS_PER_LIFE);
         assert_eq!(life(1, false).quota(), 2 * ITEMS_PER_LIFE);
