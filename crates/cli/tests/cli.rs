@@ -208,13 +208,16 @@ fn inspect_of_a_missing_directory_fails_with_a_typed_message() {
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
 
-#[test]
-fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
+/// Runs `bench <scenario> --quick` with its JSON written to a file; checks
+/// that it succeeded, that the JSON names the scenario and that each of
+/// `fields` at its top level is a positive number. Returns the run's
+/// output, its JSON and the JSON's measurements.
+fn quick_bench(scenario: &str, fields: &[&str]) -> (Output, Value, Vec<Value>) {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
-    let json = dir.path().join("floor.json");
+    let json = dir.path().join("bench.json");
     let output = durability(&[
         "bench",
-        "sqlite-floor",
+        scenario,
         "--quick",
         "--json",
         path_arg(&json),
@@ -224,18 +227,25 @@ fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
     assert!(succeeded(&output));
     let text = std::fs::read(&json).unwrap_or_else(|e| panic!("no JSON file written: {e}"));
     let result = json_of(&text);
-    assert_eq!(result["scenario"], "sqlite-floor");
-    for field in ["ops_per_sec", "p50_us", "p99_us"] {
-        let value = result[field].as_f64();
+    assert_eq!(result["scenario"], scenario);
+    for field in fields {
         assert!(
-            value.is_some_and(|v| v > 0.0),
+            result[field].as_f64().is_some_and(|v| v > 0.0),
             "{field} is {:?}",
             result[field]
         );
     }
     let measurements = result["measurements"]
         .as_array()
-        .unwrap_or_else(|| panic!("no measurements in {result}"));
+        .unwrap_or_else(|| panic!("no measurements in {result}"))
+        .clone();
+    (output, result, measurements)
+}
+
+#[test]
+fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
+    let (output, _, measurements) =
+        quick_bench("sqlite-floor", &["ops_per_sec", "p50_us", "p99_us"]);
     let names: Vec<&str> = measurements
         .iter()
         .filter_map(|m| m["name"].as_str())
@@ -254,32 +264,11 @@ fn bench_sqlite_floor_quick_writes_the_required_json_fields() {
 
 #[test]
 fn bench_operations_quick_writes_the_headline_and_cpu_per_operation() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
-    let json = dir.path().join("operations.json");
-    let output = durability(&[
-        "bench",
+    let (_, result, measurements) = quick_bench(
         "operations",
-        "--quick",
-        "--json",
-        path_arg(&json),
-        "--data-dir",
-        path_arg(&dir.path().join("bench")),
-    ]);
-    assert!(succeeded(&output));
-    let text = std::fs::read(&json).unwrap_or_else(|e| panic!("no JSON file written: {e}"));
-    let result = json_of(&text);
-    assert_eq!(result["scenario"], "operations");
+        &["ops_per_sec", "floor_ratio", "p50_us", "p99_us"],
+    );
     assert_eq!(result["headline"], "default/10-objects/64-callers");
-    for field in ["ops_per_sec", "floor_ratio", "p50_us", "p99_us"] {
-        assert!(
-            result[field].as_f64().is_some_and(|v| v > 0.0),
-            "{field} is {:?}",
-            result[field]
-        );
-    }
-    let measurements = result["measurements"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no measurements in {result}"));
     let end_to_end: Vec<&Value> = measurements
         .iter()
         .filter(|m| m["name"].as_str().is_some_and(|n| n.ends_with("-callers")))
