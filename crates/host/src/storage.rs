@@ -803,3 +803,60 @@ impl ObjectStorage {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::flush::{FlushMethod, Flusher, OPEN_RETRY_WINDOW};
+    use crate::id::object_path;
+
+    /// An index entry the file does not hold (a stale one: the alarm was
+    /// cleared before the index learned of it) is removed once the file's
+    /// commits are durable. With group commit that update is deferred; the
+    /// storage urges its file at once rather than leave it for the delay,
+    /// which here is an hour: only the urge can bring the index up to date.
+    #[test]
+    fn a_deferred_index_update_does_not_wait_for_the_sync_delay() {
+        let dir = tempfile::tempdir().unwrap();
+        let (index, _) = AlarmIndex::open(dir.path(), Synchronous::Batched, None).unwrap();
+        let index = Arc::new(index);
+        let group = GroupCommit::new(
+            dir.path(),
+            FlushMethod::WalFiles,
+            Arc::clone(&index),
+            false,
+            None,
+            Duration::from_secs(3600),
+            OPEN_RETRY_WINDOW,
+        );
+        let _flusher = Flusher::start(&group, dir.path()).unwrap();
+        let id = ObjectId::new("0".repeat(64));
+        index
+            .set(&id, "ns", Some(1_000), IndexWrite::Lowering)
+            .unwrap();
+
+        let (storage, recorded) = ObjectStorage::open(
+            &object_path(dir.path(), &id),
+            id.clone(),
+            Arc::from("ns"),
+            None,
+            Synchronous::Batched,
+            Arc::clone(&index),
+            Some(Arc::clone(&group)),
+            Weak::new(),
+        )
+        .unwrap();
+        assert_eq!(recorded.alarm, None);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while index.get(&id).unwrap().is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "the stale entry waited for the sync delay"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        storage.close();
+    }
+}
