@@ -699,63 +699,52 @@ impl SyncLanes {
         let chunk = files.len().div_ceil(wanted);
         let (done, results) = mpsc::channel();
         let mut sent = 0;
-        let mut first_error = None;
-        let mut unopened = Unopened::default();
+        let mut outcomes = Vec::with_capacity(wanted);
         let mut parts = files.chunks(chunk);
         // This thread syncs one part itself once the others are handed
         // out: one thread fewer to wake per pass, and most lanes' results
         // are in by the time it is done.
         let own = parts.next();
-        for lane in 0.. {
-            let Some(part) = parts.next() else {
-                break;
-            };
+        for (lane, part) in parts.enumerate() {
             let job = LaneJob {
                 files: part.to_vec(),
                 done: done.clone(),
             };
-            match self.lane(lane) {
+            let unsent = match self.lane(lane) {
                 Some(sender) => match sender.send(job) {
-                    Ok(()) => sent += 1,
-                    // The lane's thread is gone: sync its part here.
-                    Err(mpsc::SendError(job)) => match sync_wal_files(&job.files) {
-                        Ok(part) => unopened.merge(part),
-                        Err(error) => {
-                            first_error.get_or_insert(error);
-                        }
-                    },
-                },
-                None => match sync_wal_files(&job.files) {
-                    Ok(part) => unopened.merge(part),
-                    Err(error) => {
-                        first_error.get_or_insert(error);
+                    Ok(()) => {
+                        sent += 1;
+                        None
                     }
+                    Err(mpsc::SendError(job)) => Some(job),
                 },
+                None => Some(job),
+            };
+            // No lane took it (its thread is gone, or none could start):
+            // sync it here.
+            if let Some(job) = unsent {
+                outcomes.push(sync_wal_files(&job.files));
             }
         }
         if let Some(own) = own {
-            match sync_wal_files(own) {
-                Ok(part) => unopened.merge(part),
-                Err(error) => {
-                    first_error.get_or_insert(error);
-                }
-            }
+            outcomes.push(sync_wal_files(own));
         }
         drop(done);
         for _ in 0..sent {
             match results.recv() {
-                Ok(Ok(part)) => unopened.merge(part),
-                Ok(Err(error)) => {
-                    first_error.get_or_insert(error);
-                }
+                Ok(outcome) => outcomes.push(outcome),
                 Err(_) => {
                     // Its files may not be synced; syncing them again is safe.
-                    unopened.merge(Unopened::everything(&"a sync lane stopped"));
+                    outcomes.push(Ok(Unopened::everything(&"a sync lane stopped")));
                     break;
                 }
             }
         }
-        first_error.map_or(Ok(unopened), Err)
+        let mut unopened = Unopened::default();
+        for outcome in outcomes {
+            unopened.merge(outcome?);
+        }
+        Ok(unopened)
     }
 
     /// Lane `n`, started on first use; `None` when no thread can start
@@ -778,8 +767,8 @@ impl SyncLanes {
     }
 }
 
-/// `fdatasync` of each WAL (a missing one was checkpointed and synced by
-/// its close), then of the directories of WALs that may be new.
+/// `fdatasync` of each WAL (see [`WalFile::sync`] for a missing one), then
+/// of the directories of WALs that may be new.
 /// A file that cannot be opened is left in the result, to be tried again;
 /// a failed sync is an error.
 fn sync_wal_files(files: &[(Arc<WalFile>, bool)]) -> std::io::Result<Unopened> {
@@ -1031,11 +1020,7 @@ mod tests {
     async fn a_log_that_cannot_be_opened_is_tried_again_and_its_reply_waits_without_failing() {
         let dir = tempfile::tempdir().unwrap();
         let (group, _flusher) = start(dir.path(), FlushMethod::WalFiles, Duration::from_secs(3600));
-        // Opening a path under a regular file fails (ENOTDIR): a failure to
-        // open, as running out of descriptors is, not a failed sync.
-        let blocker = dir.path().join("objects");
-        std::fs::write(&blocker, b"not a directory").unwrap();
-        let stuck = WalFile::new(&blocker.join("a.sqlite-wal"));
+        let (blocker, stuck) = unopenable_wal(dir.path(), "a.sqlite-wal");
         let mark = commit(&group, &stuck);
         let gate = {
             let group = Arc::clone(&group);
@@ -1078,9 +1063,7 @@ mod tests {
             Duration::from_secs(3600),
             Duration::ZERO,
         );
-        let blocker = dir.path().join("objects");
-        std::fs::write(&blocker, b"not a directory").unwrap();
-        let stuck = WalFile::new(&blocker.join("a.sqlite-wal"));
+        let (_, stuck) = unopenable_wal(dir.path(), "a.sqlite-wal");
         let mark = commit(&group, &stuck);
         let error = tokio::time::timeout(Duration::from_secs(60), group.gate(&mark))
             .await
@@ -1090,6 +1073,49 @@ mod tests {
         // Shut for good, also for files that would sync.
         let fine = wal(dir.path(), "b.sqlite-wal");
         assert!(group.gate(&commit(&group, &fine)).await.is_err());
+    }
+
+    /// A log named `name` under `<dir>/objects`, which is made a regular
+    /// file (returned, to be replaced by a directory later): opening a
+    /// path under it fails with ENOTDIR, a failure to open, as running out
+    /// of descriptors is, not a failed sync.
+    fn unopenable_wal(dir: &Path, name: &str) -> (PathBuf, Arc<WalFile>) {
+        let blocker = dir.join("objects");
+        std::fs::write(&blocker, b"not a directory").unwrap();
+        let wal = WalFile::new(&blocker.join(name));
+        (blocker, wal)
+    }
+
+    #[test]
+    fn a_log_a_pass_cannot_open_is_never_counted_synced_whichever_thread_had_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, stuck) = unopenable_wal(dir.path(), "stuck.sqlite-wal");
+        let fine = [
+            wal(dir.path(), "a.sqlite-wal"),
+            wal(dir.path(), "b.sqlite-wal"),
+        ];
+        let mut lanes = SyncLanes::default();
+        // Three files, three parts: the first is synced by the pass's own
+        // thread, the others by lanes.
+        for position in [0, 2] {
+            let mut files: Vec<(Arc<WalFile>, bool)> =
+                fine.iter().map(|wal| (Arc::clone(wal), true)).collect();
+            files.insert(position, (Arc::clone(&stuck), true));
+            let unopened = lanes.sync(files).unwrap();
+            assert!(!unopened.all);
+            assert_eq!(
+                unopened.keys,
+                HashSet::from([stuck.key()]),
+                "stuck at {position}"
+            );
+            assert!(
+                unopened
+                    .error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("Not a directory")),
+                "{unopened:?}"
+            );
+        }
     }
 
     /// A log file with something in it.
