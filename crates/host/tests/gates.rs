@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::rc::Rc;
 use std::time::Duration;
 
-use durability_host::{CallError, FlushMethod, Host, HostError, ObjectId, Synchronous};
+use durability_host::{CallError, FlushMethod, Host, HostError, ObjectId, Stub, Synchronous};
 use durability_platform::Context;
 use support::{Notes, notes};
 
@@ -229,23 +229,35 @@ async fn a_failed_sync_withholds_the_reply_and_every_later_one() {
     }
 }
 
-async fn a_failed_sync_withholds_replies(method: FlushMethod) {
+/// A host on `<temp>/data` with one object that committed and replied
+/// (its WAL exists), so the directory can be moved away under it: the
+/// flusher opens the data directory (syncfs) or the object's WAL by its
+/// path, and neither opens then, while SQLite keeps its open files and
+/// commits on. Returns the temporary parent, the data directory, the host
+/// and the object's stub.
+async fn host_whose_directory_can_move(
+    method: FlushMethod,
+    open_retry_window: Duration,
+) -> (tempfile::TempDir, PathBuf, Host, Stub<Notes>) {
     let parent = tempfile::tempdir().unwrap();
     let dir = parent.path().join("data");
     let host = Host::builder(&dir)
         .threads(1)
         .flush_method(method)
-        // A file that cannot be opened fails the sync at once.
-        .open_retry_window(Duration::ZERO)
+        .open_retry_window(open_retry_window)
         .build()
         .unwrap();
-    let stub = notes(&host).stub("unlucky").unwrap();
+    let stub = notes(&host).stub("moved").unwrap();
     stub.call(|o: Rc<Notes>| async move { o.add("before") })
         .await
         .unwrap()
         .unwrap();
-    // The flusher opens the data directory (syncfs) or the object's WAL
-    // by its path: moved away, neither opens. SQLite keeps its open files.
+    (parent, dir, host, stub)
+}
+
+async fn a_failed_sync_withholds_replies(method: FlushMethod) {
+    // A file that cannot be opened fails the sync at once.
+    let (parent, dir, host, stub) = host_whose_directory_can_move(method, Duration::ZERO).await;
     std::fs::rename(&dir, parent.path().join("moved")).unwrap();
     for text in ["after", "later"] {
         let error = stub
@@ -270,21 +282,10 @@ async fn a_data_directory_that_cannot_be_opened_for_a_while_holds_replies_until_
 }
 
 async fn replies_wait_for_the_directory(method: FlushMethod) {
-    let parent = tempfile::tempdir().unwrap();
-    let dir = parent.path().join("data");
+    // The default window: long past this test's wait.
+    let (parent, dir, host, stub) =
+        host_whose_directory_can_move(method, Duration::from_secs(30)).await;
     let moved = parent.path().join("moved");
-    let host = Host::builder(&dir)
-        .threads(1)
-        .flush_method(method)
-        .build()
-        .unwrap();
-    let stub = notes(&host).stub("patient").unwrap();
-    stub.call(|o: Rc<Notes>| async move { o.add("before") })
-        .await
-        .unwrap()
-        .unwrap();
-    // Moved away, the directory cannot be opened by its path; SQLite
-    // keeps its open files and commits on.
     std::fs::rename(&dir, &moved).unwrap();
     let call = {
         let stub = stub.clone();
