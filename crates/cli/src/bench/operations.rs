@@ -175,12 +175,10 @@ async fn measure(
         .with("callers", count(callers))
         .with(
             "register_ops_per_sec",
-            (registered.ops_per_sec() * 10.0).round() / 10.0,
+            tenths(registered.ops_per_sec()),
         );
         if let Some(((user_before, sys_before), (user, sys))) = cpu {
-            let per_op = |spent: Duration| {
-                (spent.as_secs_f64() * 1e6 / total.max(1) as f64 * 10.0).round() / 10.0
-            };
+            let per_op = |spent: Duration| tenths(spent.as_secs_f64() * 1e6 / total.max(1) as f64);
             let user = user.saturating_sub(user_before);
             let sys = sys.saturating_sub(sys_before);
             end_to_end = end_to_end
@@ -192,6 +190,11 @@ async fn measure(
         measured.push(end_to_end);
     }
     Ok(measured)
+}
+
+/// `x` rounded to one decimal, for the JSON.
+fn tenths(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
 }
 
 /// Registers operation `id` on the stub that `i` picks.

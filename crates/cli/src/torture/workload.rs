@@ -169,7 +169,11 @@ impl Life {
 
     /// A random generator for `purpose` in this life, derived from the seed.
     pub fn rng(&self, purpose: &str) -> StdRng {
-        StdRng::seed_from_u64(roll(self.seed, purpose, "life", u64::from(self.index)))
+        StdRng::seed_from_u64(self.seed_for(purpose))
+    }
+
+    fn seed_for(&self, purpose: &str) -> u64 {
+        roll(self.seed, purpose, "life", u64::from(self.index))
     }
 
     /// A random generator for `purpose` in the next pass of this life's
@@ -180,8 +184,7 @@ impl Life {
     pub fn pass_rng(&self, purpose: &str) -> StdRng {
         let pass = self.passes.get();
         self.passes.set(pass.wrapping_add(1));
-        let life = roll(self.seed, purpose, "life", u64::from(self.index));
-        StdRng::seed_from_u64(roll(life, purpose, "pass", pass))
+        StdRng::seed_from_u64(roll(self.seed_for(purpose), purpose, "pass", pass))
     }
 
     /// Sleeps a random moment between two items.
