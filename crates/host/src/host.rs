@@ -20,6 +20,7 @@ use crate::executor::{self, Constructor, ErasedObject, Job, Reply};
 use crate::flush::{self, FlushMethod, Flusher, GroupCommit};
 use crate::id::{executor_of, object_id, object_path, validate_name};
 use crate::index::{AlarmIndex, IndexRebuild, IndexedAlarm};
+use crate::journal::{self, Journal, JournalError};
 use crate::residency::{Residency, default_max_live_objects};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
@@ -352,7 +353,7 @@ impl HostBuilder {
         if !flush::supported(self.flush_method) {
             return Err(HostError::InvalidSetting {
                 setting: "flush_method",
-                rule: "Syncfs is available on Linux only",
+                rule: "Syncfs is available on Linux only, Journal on Unix only",
             });
         }
         let images = match &self.sync_images {
@@ -373,6 +374,15 @@ impl HostBuilder {
         };
         check_path_length(&self.data_dir)?;
         let lock = lock_data_dir(&self.data_dir)?;
+        // Before anything reads an object file (the index rebuild does):
+        // what a journal of an earlier process holds goes back into the
+        // WAL files, whatever this host's own mode.
+        journal::recover(&self.data_dir).map_err(|e| journal_error(&self.data_dir, &e))?;
+        let journal = (self.synchronous == Synchronous::Batched
+            && self.flush_method == FlushMethod::Journal)
+            .then(|| Journal::open(&self.data_dir, journal::SEGMENT_LIMIT))
+            .transpose()
+            .map_err(|e| journal_error(&self.data_dir, &e))?;
         let (index, rebuild) = AlarmIndex::open(
             &self.data_dir,
             self.synchronous,
@@ -392,6 +402,7 @@ impl HostBuilder {
                 images,
                 flush::UNAWAITED_SYNC_DELAY,
                 self.open_retry_window,
+                journal,
             )
         });
         let flusher = group
@@ -837,5 +848,23 @@ impl<T: DurableObject> Stub<T> {
         }
         crate::telemetry::call_finished(&self.namespace, started.elapsed());
         result
+    }
+}
+
+/// Replays the host journal left in `data_dir` into its object files,
+/// as a host's start does first (see [`FlushMethod::Journal`]): for tools
+/// that read the files of a host that stopped without a clean shutdown,
+/// and for power-cut tests. Takes the data directory's lock, so it fails
+/// with [`HostError::DataDirInUse`] while a host serves the directory. A
+/// directory without a journal is left as it is.
+pub fn replay_journal(data_dir: &Path) -> Result<(), HostError> {
+    let _lock = lock_data_dir(data_dir)?;
+    journal::recover(data_dir).map_err(|e| journal_error(data_dir, &e))
+}
+
+fn journal_error(data_dir: &Path, error: &JournalError) -> HostError {
+    HostError::Io {
+        path: data_dir.join(journal::JOURNAL_DIR),
+        message: format!("the host journal: {error}"),
     }
 }

@@ -41,6 +41,7 @@ mod host;
 mod id;
 mod index;
 pub mod inspect;
+mod journal;
 mod residency;
 mod storage;
 pub mod telemetry;
@@ -57,7 +58,7 @@ pub use flush::FlushMethod;
 pub use host::FiredAlarm;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
-    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous,
+    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, replay_journal,
 };
 pub use id::MAX_NAME_BYTES;
 pub use index::{BUILT_VERSION, INDEX_FILE, IndexRebuild, RebuildReason};

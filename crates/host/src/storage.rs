@@ -135,12 +135,14 @@ impl ObjectStorage {
                 create_from_template(path, dir);
             }
         }
-        let conn = Connection::open_with_flags(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE
-                | OpenFlags::SQLITE_OPEN_CREATE
-                | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = match group.as_ref().and_then(|g| g.vfs()) {
+            // Its WAL writes go to the host journal too.
+            Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs),
+            None => Connection::open_with_flags(path, flags),
+        }
         .map_err(storage_error)?;
         // No-ops on a file made from the template (the page size of a
         // database that has pages cannot change); a new file where the
@@ -830,6 +832,7 @@ mod tests {
             None,
             Duration::from_secs(3600),
             OPEN_RETRY_WINDOW,
+            None,
         );
         let _flusher = Flusher::start(&group, dir.path()).unwrap();
         let id = ObjectId::new("0".repeat(64));

@@ -44,7 +44,8 @@ fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
 }
 
 /// The disk as a power cut now would leave it: the newest sync image,
-/// restored into a fresh directory (empty before the first flush).
+/// restored into a fresh directory (empty before the first flush), with
+/// its journal replayed as the next start would.
 fn power_cut(images: &Path) -> tempfile::TempDir {
     loop {
         let restored = tempfile::tempdir().unwrap();
@@ -53,6 +54,7 @@ fn power_cut(images: &Path) -> tempfile::TempDir {
         };
         // A newer image may replace this one while it is copied: take that.
         if copy_tree(&images.join(latest.trim()), restored.path()).is_ok() {
+            durability_host::replay_journal(restored.path()).unwrap();
             return restored;
         }
     }
@@ -111,19 +113,28 @@ fn alarms_in(data_dir: &Path, file: &Path, id: &ObjectId) -> (Option<i64>, Optio
     (in_file, in_index)
 }
 
-fn batched_host(dir: &Path, images: &Path) -> Host {
+fn batched_host(dir: &Path, images: &Path, method: FlushMethod) -> Host {
     Host::builder(dir)
         .threads(2)
+        .flush_method(method)
         .sync_images(images)
         .build()
         .unwrap()
 }
 
+/// With the journal an image holds no WAL file at all: every write to a
+/// WAL comes back from the journal's replay.
 #[tokio::test]
 async fn every_released_reply_is_in_the_newest_sync_image() {
+    for method in [FlushMethod::Journal, FlushMethod::WalFiles] {
+        every_released_reply_is_in_the_image(method).await;
+    }
+}
+
+async fn every_released_reply_is_in_the_image(method: FlushMethod) {
     let dir = tempfile::tempdir().unwrap();
     let images = tempfile::tempdir().unwrap();
-    let host = batched_host(dir.path(), images.path());
+    let host = batched_host(dir.path(), images.path(), method);
     let namespace = notes(&host);
     let stubs: Vec<_> = (0..3)
         .map(|n| namespace.stub(&format!("object-{n}")).unwrap())
@@ -139,7 +150,10 @@ async fn every_released_reply_is_in_the_newest_sync_image() {
             .unwrap();
         let cut = power_cut(images.path());
         let rows = notes_in(&file_under(&host, stub.id(), cut.path()));
-        assert!(rows.contains(&text), "{text} released but not durable");
+        assert!(
+            rows.contains(&text),
+            "{method:?}: {text} released but not durable"
+        );
     }
     let mut calls = tokio::task::JoinSet::new();
     for i in 0..32 {
@@ -155,7 +169,10 @@ async fn every_released_reply_is_in_the_newest_sync_image() {
                 .unwrap();
             let cut = power_cut(&images);
             let rows = notes_in(&file_under(&host, stub.id(), cut.path()));
-            assert!(rows.contains(&text), "{text} released but not durable");
+            assert!(
+                rows.contains(&text),
+                "{method:?}: {text} released but not durable"
+            );
         });
     }
     while let Some(done) = calls.join_next().await {
@@ -168,7 +185,7 @@ async fn every_released_reply_is_in_the_newest_sync_image() {
 async fn the_index_in_every_sync_image_is_never_later_than_the_object_file() {
     let dir = tempfile::tempdir().unwrap();
     let images = tempfile::tempdir().unwrap();
-    let host = batched_host(dir.path(), images.path());
+    let host = batched_host(dir.path(), images.path(), FlushMethod::default());
     let stub = notes(&host).stub("alarmed").unwrap();
     let far = host.now_ms() + 86_400_000;
     // Raise, lower and clear in turn: the index may be early or stale in
@@ -213,7 +230,10 @@ async fn the_index_in_every_sync_image_is_never_later_than_the_object_file() {
     assert_eq!((in_file, in_index), (None, None));
 }
 
-/// Both flush methods, where the platform has them.
+/// The flush methods that sync files by their paths, where the platform
+/// has them. The journal syncs a file it holds open: a move of the data
+/// directory does not reach it (see
+/// `a_moved_data_directory_does_not_hold_the_journal_s_replies`).
 fn flush_methods() -> Vec<FlushMethod> {
     let mut methods = vec![FlushMethod::WalFiles];
     if cfg!(target_os = "linux") {
@@ -308,6 +328,33 @@ async fn replies_wait_for_the_directory(method: FlushMethod) {
         .await
         .unwrap()
         .unwrap();
+    host.shutdown().await;
+}
+
+/// The journal is an open file that moves with its directory: replies
+/// are released, and the next host on the moved directory has them.
+#[tokio::test]
+async fn a_moved_data_directory_does_not_hold_the_journal_s_replies() {
+    let (parent, dir, host, stub) =
+        host_whose_directory_can_move(FlushMethod::Journal, Duration::ZERO).await;
+    let moved = parent.path().join("moved");
+    std::fs::rename(&dir, &moved).unwrap();
+    stub.call(|o: Rc<Notes>| async move { o.add("after") })
+        .await
+        .unwrap()
+        .unwrap();
+    let id = stub.id().clone();
+    let file = host.object_file(&id);
+    host.shutdown().await;
+    let relative = file.strip_prefix(&dir).unwrap();
+    let host = Host::builder(&moved).threads(1).build().unwrap();
+    let texts = notes(&host)
+        .stub("moved")
+        .unwrap()
+        .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
+        .await
+        .unwrap();
+    assert_eq!(texts, ["before", "after"], "{}", relative.display());
     host.shutdown().await;
 }
 
@@ -423,7 +470,7 @@ async fn child_writes_on_four_objects_until_killed() {
     ) else {
         return;
     };
-    let host = batched_host(Path::new(&dir), Path::new(&images));
+    let host = batched_host(Path::new(&dir), Path::new(&images), FlushMethod::default());
     let namespace = notes(&host);
     let mut writers = tokio::task::JoinSet::new();
     for n in 0..WRITERS {

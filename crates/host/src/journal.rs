@@ -1,0 +1,868 @@
+//! The host journal of [`FlushMethod::Journal`](crate::FlushMethod::Journal):
+//! one append-only file that a single `fdatasync` makes durable for the
+//! commits of every object at once.
+//!
+//! Object connections open their files through a VFS of the journal's own
+//! (see [`vfs`]): every write SQLite makes to an object's WAL goes to the
+//! WAL as usual and is also kept as a record (the WAL's name under the data
+//! directory, the offset, the bytes). A pass of the flusher appends the
+//! records gathered since the last pass to the current *segment* and syncs
+//! that one file; the WAL files themselves stay in the page cache. After a
+//! power cut, the host's next start *replays* the segments before it opens
+//! any object: it writes every record back into its WAL, in order, syncs
+//! those files, and starts a fresh segment. Each WAL then holds at least
+//! every commit that was synced, and SQLite's recovery does the rest.
+//!
+//! Why a replay is exact:
+//! - Replaying the writes of a file in their order leaves every byte they
+//!   cover as the last synced write left it. Bytes no synced record covers
+//!   hold what the disk held (an older write already durable, or a later
+//!   one that reached the disk by itself).
+//! - SQLite checksums WAL frames in a chain seeded by the WAL header, so
+//!   recovery keeps a prefix of commits: a later frame on disk either
+//!   continues the chain (a commit made after the last sync, kept, as a
+//!   crash may keep it) or breaks it.
+//! - A checkpoint copies WAL pages into the database file and syncs it;
+//!   SQLite syncs the WAL first, and this VFS syncs the journal then too.
+//!   So no replay can bring back a WAL shorter than what its database
+//!   already holds (which would put older pages over newer ones).
+//! - A *rotation* starts a new segment once the current one exceeds its
+//!   limit: every WAL the old segment wrote to is synced in its own file,
+//!   and only then is the old segment deleted.
+//!
+//! Each record carries its segment's generation and a CRC-32 of itself; a
+//! replay stops at the first record that does not check (the tail a power
+//! cut tore), which no reply waited for.
+
+mod vfs;
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use rusqlite::ffi;
+
+/// A segment is rotated once it holds this many bytes.
+pub(crate) const SEGMENT_LIMIT: u64 = 256 << 20;
+
+/// The journal's directory under the data directory.
+pub(crate) const JOURNAL_DIR: &str = "journal";
+
+/// First bytes of every record.
+const MAGIC: [u8; 4] = *b"DJR1";
+/// Magic, generation, kind, name length, data length, offset.
+const HEADER_LEN: usize = 4 + 8 + 1 + 2 + 4 + 8;
+const CRC_LEN: usize = 4;
+const KIND_WRITE: u8 = 1;
+const KIND_TRUNCATE: u8 = 2;
+
+/// A WAL's path under the data directory, as the journal names it.
+pub(crate) type WalName = Arc<[u8]>;
+
+/// Why the journal failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JournalError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{path}: record at byte {at} names {name:?}, which is not a WAL under the data directory"
+    )]
+    BadName {
+        path: PathBuf,
+        at: usize,
+        name: String,
+    },
+    #[error("cannot register the journal's SQLite VFS: {0}")]
+    Vfs(String),
+    #[error("an earlier sync of the journal failed; it is not synced again (restart the host)")]
+    Failed,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JournalError + '_ {
+    move |source| JournalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One change to a WAL, not yet in a segment.
+struct Entry {
+    name: WalName,
+    kind: u8,
+    offset: u64,
+    /// Its bytes in [`Pending::bytes`].
+    start: usize,
+    len: usize,
+}
+
+/// What SQLite wrote since the last sync.
+#[derive(Default)]
+struct Pending {
+    entries: Vec<Entry>,
+    bytes: Vec<u8>,
+}
+
+/// The segment being appended to.
+struct Segment {
+    file: File,
+    path: PathBuf,
+    generation: u64,
+    len: u64,
+    /// The WALs it holds writes of: synced in their own files before it
+    /// may be deleted.
+    written: HashSet<WalName>,
+    /// Scratch for encoding, kept between syncs.
+    encoded: Vec<u8>,
+}
+
+/// The journal of one host.
+pub(crate) struct Journal {
+    root: PathBuf,
+    dir: PathBuf,
+    /// The data directory as SQLite names files under it, with a trailing
+    /// separator: WAL names are relative to it.
+    sqlite_root: Vec<u8>,
+    limit: u64,
+    pending: Mutex<Pending>,
+    segment: Mutex<Segment>,
+    /// Spare buffers swapped with `pending` at each sync.
+    spare: Mutex<Pending>,
+    registration: OnceLock<vfs::Registration>,
+    /// Set by a failed sync (or [`Journal::fail`]): records are dropped
+    /// and every later sync fails, so no checkpoint copies a WAL the
+    /// journal no longer holds whole.
+    failed: AtomicBool,
+}
+
+impl std::fmt::Debug for Journal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Journal")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Names the VFS of each journal of the process.
+static NEXT_VFS: AtomicU64 = AtomicU64::new(1);
+
+impl Journal {
+    /// Opens the journal of `data_dir`: replays what an earlier process
+    /// left (see the module), then starts a fresh segment and registers
+    /// the VFS object connections must use ([`Journal::vfs_name`]).
+    pub(crate) fn open(data_dir: &Path, limit: u64) -> Result<Arc<Journal>, JournalError> {
+        let dir = data_dir.join(JOURNAL_DIR);
+        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let generation = replay(data_dir, &dir)?;
+        let segment = Segment::create(&dir, generation + 1)?;
+        let sqlite_root = sqlite_path(data_dir)?;
+        let journal = Arc::new(Journal {
+            root: data_dir.to_path_buf(),
+            dir,
+            sqlite_root,
+            limit,
+            pending: Mutex::new(Pending::default()),
+            segment: Mutex::new(segment),
+            spare: Mutex::new(Pending::default()),
+            registration: OnceLock::new(),
+            failed: AtomicBool::new(false),
+        });
+        let name = format!(
+            "durability-journal-{}",
+            NEXT_VFS.fetch_add(1, Ordering::Relaxed)
+        );
+        let registration = vfs::Registration::register(&name, Arc::downgrade(&journal))
+            .map_err(JournalError::Vfs)?;
+        let _ = journal.registration.set(registration);
+        Ok(journal)
+    }
+
+    /// The SQLite VFS that object connections open their files with.
+    pub(crate) fn vfs_name(&self) -> &str {
+        self.registration.get().map_or("", |r| r.name())
+    }
+
+    /// The name of the WAL SQLite calls `path`, if it lies under the data
+    /// directory.
+    fn wal_name(&self, path: &[u8]) -> Option<WalName> {
+        let relative = path.strip_prefix(self.sqlite_root.as_slice())?;
+        valid_name(relative).then(|| Arc::from(relative))
+    }
+
+    fn lock_pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// SQLite wrote `bytes` at `offset` of WAL `name`.
+    fn wrote(&self, name: &WalName, offset: u64, bytes: &[u8]) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pending = self.lock_pending();
+        let Pending {
+            entries,
+            bytes: all,
+        } = &mut *pending;
+        // A frame is two writes (its header, its page), and a commit's
+        // frames follow one another: one record each.
+        if let Some(last) = entries.last_mut()
+            && last.kind == KIND_WRITE
+            && Arc::ptr_eq(&last.name, name)
+            && last.offset + last.len as u64 == offset
+            && last.start + last.len == all.len()
+            && last.len + bytes.len() <= u32::MAX as usize
+        {
+            last.len += bytes.len();
+            all.extend_from_slice(bytes);
+            return;
+        }
+        entries.push(Entry {
+            name: Arc::clone(name),
+            kind: KIND_WRITE,
+            offset,
+            start: all.len(),
+            len: bytes.len(),
+        });
+        all.extend_from_slice(bytes);
+    }
+
+    /// SQLite truncated WAL `name` to `size` bytes.
+    fn truncated(&self, name: &WalName, size: u64) {
+        if self.failed.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pending = self.lock_pending();
+        let start = pending.bytes.len();
+        pending.entries.push(Entry {
+            name: Arc::clone(name),
+            kind: KIND_TRUNCATE,
+            offset: size,
+            start,
+            len: 0,
+        });
+    }
+
+    /// Makes every write SQLite made so far durable: appends them to the
+    /// segment and syncs it (one `fdatasync` for every object).
+    pub(crate) fn sync(&self) -> Result<(), JournalError> {
+        let mut segment = self.segment.lock().unwrap_or_else(|e| e.into_inner());
+        if self.failed.load(Ordering::Acquire) {
+            return Err(JournalError::Failed);
+        }
+        let taken = {
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            let mut pending = self.lock_pending();
+            std::mem::swap(&mut *pending, &mut *spare);
+            std::mem::take(&mut *spare)
+        };
+        if taken.entries.is_empty() {
+            return Ok(());
+        }
+        let result = segment.append(&taken);
+        // Hand the buffers back for reuse.
+        {
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            let mut taken = taken;
+            taken.entries.clear();
+            taken.bytes.clear();
+            *spare = taken;
+        }
+        if let Err(error) = result {
+            self.fail();
+            return Err(error);
+        }
+        if segment.len >= self.limit
+            && let Err(error) = self.rotate(&mut segment)
+        {
+            // Nothing is lost: the old segment stays and is replayed.
+            tracing::warn!(%error, "the journal could not rotate its segment; trying again at the next sync");
+        }
+        Ok(())
+    }
+
+    /// After a failed sync (the gates are shut for good): drops what is
+    /// pending and refuses every later sync. The WAL files keep their
+    /// writes; what the segment holds stays for the next start's replay.
+    pub(crate) fn fail(&self) {
+        self.failed.store(true, Ordering::Release);
+        let mut pending = self.lock_pending();
+        pending.entries = Vec::new();
+        pending.bytes = Vec::new();
+    }
+
+    /// Starts the next segment, syncs every WAL the old one wrote to in
+    /// its own file, then deletes the old one.
+    fn rotate(&self, segment: &mut Segment) -> Result<(), JournalError> {
+        let next = Segment::create(&self.dir, segment.generation + 1)?;
+        let old = std::mem::replace(segment, next);
+        sync_files(&self.root, old.written.iter())?;
+        std::fs::remove_file(&old.path).map_err(io(&old.path))?;
+        sync_dir(&self.dir)?;
+        Ok(())
+    }
+}
+
+impl Drop for Journal {
+    /// The last holder is gone, and with it every connection (each open
+    /// WAL holds the journal): once the WALs it wrote to are synced in
+    /// their own files, the segment is not needed, and the next start has
+    /// nothing to replay. If they cannot be synced it stays, and is.
+    fn drop(&mut self) {
+        if *self.failed.get_mut() {
+            return;
+        }
+        let segment = self.segment.get_mut().unwrap_or_else(|e| e.into_inner());
+        let pending = self.pending.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut names = std::mem::take(&mut segment.written);
+        names.extend(pending.entries.iter().map(|entry| Arc::clone(&entry.name)));
+        let cleared = sync_files(&self.root, names.iter())
+            .and_then(|()| std::fs::remove_file(&segment.path).map_err(io(&segment.path)))
+            .and_then(|()| sync_dir(&self.dir));
+        if let Err(error) = cleared {
+            tracing::warn!(%error, "the journal segment was kept; the next start replays it");
+        }
+    }
+}
+
+impl Segment {
+    /// Creates segment `generation` (and makes its name durable).
+    fn create(dir: &Path, generation: u64) -> Result<Segment, JournalError> {
+        let path = dir.join(segment_name(generation));
+        let file = OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        sync_dir(dir)?;
+        Ok(Segment {
+            file,
+            path,
+            generation,
+            len: 0,
+            written: HashSet::new(),
+            encoded: Vec::new(),
+        })
+    }
+
+    /// Appends the records of `pending` and syncs.
+    fn append(&mut self, pending: &Pending) -> Result<(), JournalError> {
+        self.encoded.clear();
+        for entry in &pending.entries {
+            let data = pending
+                .bytes
+                .get(entry.start..entry.start + entry.len)
+                .unwrap_or_default();
+            encode(&mut self.encoded, self.generation, entry, data);
+            if !self.written.contains(&entry.name) {
+                self.written.insert(Arc::clone(&entry.name));
+            }
+        }
+        // At its length, not appended: a write that failed halfway is
+        // overwritten by the next.
+        self.file
+            .write_all_at(&self.encoded, self.len)
+            .map_err(io(&self.path))?;
+        self.file.sync_data().map_err(io(&self.path))?;
+        self.len += self.encoded.len() as u64;
+        Ok(())
+    }
+}
+
+fn segment_name(generation: u64) -> String {
+    format!("segment-{generation:020}.log")
+}
+
+fn encode(out: &mut Vec<u8>, generation: u64, entry: &Entry, data: &[u8]) {
+    let start = out.len();
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&generation.to_le_bytes());
+    out.push(entry.kind);
+    out.extend_from_slice(&(entry.name.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    out.extend_from_slice(&entry.offset.to_le_bytes());
+    out.extend_from_slice(&entry.name);
+    out.extend_from_slice(data);
+    let crc = crc32fast::hash(&out[start..]);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// One record read back.
+struct Record<'a> {
+    kind: u8,
+    name: &'a [u8],
+    offset: u64,
+    data: &'a [u8],
+}
+
+/// The record at the start of `bytes`, with its length, if it checks.
+fn decode(bytes: &[u8], generation: u64) -> Option<(Record<'_>, usize)> {
+    let header = bytes.get(..HEADER_LEN)?;
+    if header[..4] != MAGIC {
+        return None;
+    }
+    let field = |at: usize, len: usize| header.get(at..at + len);
+    let record_generation = u64::from_le_bytes(field(4, 8)?.try_into().ok()?);
+    let kind = header[12];
+    let name_len = usize::from(u16::from_le_bytes(field(13, 2)?.try_into().ok()?));
+    let data_len = usize::try_from(u32::from_le_bytes(field(15, 4)?.try_into().ok()?)).ok()?;
+    let offset = u64::from_le_bytes(field(19, 8)?.try_into().ok()?);
+    let body_end = HEADER_LEN.checked_add(name_len)?.checked_add(data_len)?;
+    let end = body_end.checked_add(CRC_LEN)?;
+    let crc = u32::from_le_bytes(bytes.get(body_end..end)?.try_into().ok()?);
+    if crc32fast::hash(bytes.get(..body_end)?) != crc
+        || record_generation != generation
+        || !matches!(kind, KIND_WRITE | KIND_TRUNCATE)
+    {
+        return None;
+    }
+    let name = bytes.get(HEADER_LEN..HEADER_LEN + name_len)?;
+    let data = bytes.get(HEADER_LEN + name_len..body_end)?;
+    Some((
+        Record {
+            kind,
+            name,
+            offset,
+            data,
+        },
+        end,
+    ))
+}
+
+/// A name the journal may write to: a relative path of plain components
+/// ending in `-wal`.
+fn valid_name(name: &[u8]) -> bool {
+    let path = Path::new(std::ffi::OsStr::from_bytes(name));
+    name.ends_with(b"-wal")
+        && path
+            .components()
+            .all(|component| matches!(component, Component::Normal(_)))
+}
+
+/// Replays what a journal left in `data_dir` (nothing if it has none):
+/// run at every host start before any object file is read, in every mode.
+pub(crate) fn recover(data_dir: &Path) -> Result<(), JournalError> {
+    let dir = data_dir.join(JOURNAL_DIR);
+    if dir.is_dir() {
+        replay(data_dir, &dir)?;
+    }
+    Ok(())
+}
+
+/// The segments in `dir`, oldest first, by generation.
+fn segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let entry = entry.map_err(io(dir))?;
+        let name = entry.file_name();
+        let generation = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("segment-"))
+            .and_then(|n| n.strip_suffix(".log"))
+            .and_then(|n| n.parse::<u64>().ok());
+        if let Some(generation) = generation {
+            found.push((generation, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Writes every record the segments in `dir` hold back into its WAL under
+/// `root`, syncs those files, and deletes the segments. Returns the newest
+/// generation found (0 for none).
+fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
+    let segments = segments(dir)?;
+    let newest = segments.last().map_or(0, |(generation, _)| *generation);
+    let mut files: HashMap<Vec<u8>, File> = HashMap::new();
+    let mut records = 0u64;
+    for (generation, path) in &segments {
+        let bytes = std::fs::read(path).map_err(io(path))?;
+        let mut at = 0;
+        while let Some((record, len)) = bytes.get(at..).and_then(|rest| decode(rest, *generation)) {
+            if !valid_name(record.name) {
+                return Err(JournalError::BadName {
+                    path: path.clone(),
+                    at,
+                    name: String::from_utf8_lossy(record.name).into_owned(),
+                });
+            }
+            let target = root.join(std::ffi::OsStr::from_bytes(record.name));
+            let file = match files.entry(record.name.to_vec()) {
+                std::collections::hash_map::Entry::Occupied(file) => file.into_mut(),
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    if let Some(parent) = target.parent() {
+                        std::fs::create_dir_all(parent).map_err(io(parent))?;
+                    }
+                    let file = OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(false)
+                        .open(&target)
+                        .map_err(io(&target))?;
+                    slot.insert(file)
+                }
+            };
+            match record.kind {
+                KIND_WRITE => file.write_all_at(record.data, record.offset),
+                _ => file.set_len(record.offset),
+            }
+            .map_err(io(&target))?;
+            records += 1;
+            at += len;
+        }
+        if at < bytes.len() {
+            tracing::info!(segment = %path.display(), kept = at, dropped = bytes.len() - at, "journal replay: a torn tail was left out (no reply waited for it)");
+        }
+    }
+    if segments.is_empty() {
+        return Ok(newest);
+    }
+    let names: Vec<WalName> = files
+        .keys()
+        .map(|name| Arc::from(name.as_slice()))
+        .collect();
+    drop(files);
+    sync_files(root, names.iter())?;
+    for (_, path) in &segments {
+        std::fs::remove_file(path).map_err(io(path))?;
+    }
+    sync_dir(dir)?;
+    tracing::info!(
+        segments = segments.len(),
+        records,
+        files = names.len(),
+        "journal replayed"
+    );
+    Ok(newest)
+}
+
+/// `fdatasync`s the WALs `names` under `root` (a missing one was
+/// checkpointed and removed by its close) and their directories.
+fn sync_files<'a>(
+    root: &Path,
+    names: impl Iterator<Item = &'a WalName>,
+) -> Result<(), JournalError> {
+    let mut dirs = HashSet::new();
+    for name in names {
+        let path = root.join(std::ffi::OsStr::from_bytes(name));
+        match File::open(&path) {
+            Ok(file) => file.sync_data().map_err(io(&path))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&path)(e)),
+        }
+        if let Some(parent) = path.parent() {
+            dirs.insert(parent.to_path_buf());
+        }
+    }
+    for dir in dirs {
+        match File::open(&dir) {
+            Ok(file) => file.sync_all().map_err(io(&dir))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(&dir)(e)),
+        }
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<(), JournalError> {
+    File::open(dir)
+        .and_then(|file| file.sync_all())
+        .map_err(io(dir))
+}
+
+/// `dir` as SQLite's platform VFS names it (absolute, links resolved),
+/// with a trailing separator.
+fn sqlite_path(dir: &Path) -> Result<Vec<u8>, JournalError> {
+    let fail = |message: String| JournalError::Vfs(format!("{}: {message}", dir.display()));
+    let name =
+        std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(|e| fail(e.to_string()))?;
+    // SAFETY: the default VFS stays registered for the life of the process.
+    let root = unsafe { ffi::sqlite3_vfs_find(std::ptr::null()) };
+    // SAFETY: `root` is null or a live VFS.
+    let (size, full) = match unsafe { root.as_ref() } {
+        Some(vfs) => (
+            usize::try_from(vfs.mxPathname).unwrap_or(0) + 1,
+            vfs.xFullPathname,
+        ),
+        None => return Err(fail("SQLite has no default VFS".into())),
+    };
+    let Some(full) = full else {
+        return Err(fail("the default VFS cannot name files".into()));
+    };
+    let mut out = vec![0u8; size];
+    // SAFETY: `out` has `size` writable bytes, as the call is told.
+    let rc = unsafe { full(root, name.as_ptr(), c_int(size), out.as_mut_ptr().cast()) };
+    if rc & 0xff != ffi::SQLITE_OK {
+        return Err(fail(format!("xFullPathname failed with code {rc}")));
+    }
+    let len = out.iter().position(|&b| b == 0).unwrap_or(out.len());
+    out.truncate(len);
+    if !out.ends_with(b"/") {
+        out.push(b'/');
+    }
+    Ok(out)
+}
+
+fn c_int(n: usize) -> std::ffi::c_int {
+    std::ffi::c_int::try_from(n).unwrap_or(std::ffi::c_int::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rusqlite::{Connection, OpenFlags};
+
+    /// An object file under `dir` opened through `journal`'s VFS, in WAL
+    /// mode at `synchronous=NORMAL` as the host runs it.
+    fn open(journal: &Journal, dir: &Path) -> Connection {
+        let path = dir.join("objects/ab/object.sqlite");
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let conn = Connection::open_with_flags_and_vfs(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,
+            journal.vfs_name(),
+        )
+        .unwrap();
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;
+             CREATE TABLE IF NOT EXISTS rows (n INTEGER PRIMARY KEY, body TEXT);",
+        )
+        .unwrap();
+        conn
+    }
+
+    fn insert(conn: &Connection, range: std::ops::Range<i64>) {
+        for n in range {
+            conn.execute(
+                "INSERT INTO rows (n, body) VALUES (?1, ?2)",
+                rusqlite::params![n, "x".repeat(300)],
+            )
+            .unwrap();
+        }
+    }
+
+    /// The rows of the object file under `dir`, read with the default VFS.
+    fn rows(dir: &Path) -> Vec<i64> {
+        let conn = Connection::open(dir.join("objects/ab/object.sqlite")).unwrap();
+        let mut stmt = conn.prepare("SELECT n FROM rows ORDER BY n").unwrap();
+        stmt.query_map([], |row| row.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    /// The disk after a power cut that kept the database file and the
+    /// journal but lost every write to the WAL the journal holds: the WAL
+    /// is `wal` (`None`: gone).
+    fn cut(dir: &Path, wal: Option<&[u8]>) -> tempfile::TempDir {
+        let cut = tempfile::tempdir().unwrap();
+        let objects = cut.path().join("objects/ab");
+        std::fs::create_dir_all(&objects).unwrap();
+        std::fs::copy(
+            dir.join("objects/ab/object.sqlite"),
+            objects.join("object.sqlite"),
+        )
+        .unwrap();
+        if let Some(wal) = wal {
+            std::fs::write(objects.join("object.sqlite-wal"), wal).unwrap();
+        }
+        let journal = cut.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal).unwrap();
+        for (_, segment) in segments(&dir.join(JOURNAL_DIR)).unwrap() {
+            std::fs::copy(&segment, journal.join(segment.file_name().unwrap())).unwrap();
+        }
+        cut
+    }
+
+    #[test]
+    fn a_replay_brings_back_every_synced_commit_whatever_the_wal_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+        let conn = open(&journal, dir.path());
+        insert(&conn, 0..50);
+        journal.sync().unwrap();
+        // Written but not synced: a power cut may lose these.
+        insert(&conn, 50..60);
+        let wal = std::fs::read(dir.path().join("objects/ab/object.sqlite-wal")).unwrap();
+        let header_only = &wal[..32];
+        let garbage = vec![0xa5; wal.len()];
+        for lost in [
+            None,
+            Some(header_only),
+            Some(&garbage[..]),
+            Some(&wal[..wal.len() / 2]),
+        ] {
+            let cut = cut(dir.path(), lost);
+            recover(cut.path()).unwrap();
+            let kept = rows(cut.path());
+            assert!(
+                kept.len() >= 50 && kept.iter().copied().eq(0..kept.len() as i64),
+                "{} rows after the replay: {kept:?}",
+                kept.len()
+            );
+            assert!(segments(&cut.path().join(JOURNAL_DIR)).unwrap().is_empty());
+        }
+    }
+
+    /// Rows 0..n, in order, and an intact file, in the cut.
+    fn assert_intact(cut: &Path, at_least: usize) {
+        let kept = rows(cut);
+        assert!(
+            kept.len() >= at_least && kept.iter().copied().eq(0..kept.len() as i64),
+            "{} rows, {at_least} expected: {kept:?}",
+            kept.len()
+        );
+        let check: String = Connection::open(cut.join("objects/ab/object.sqlite"))
+            .unwrap()
+            .query_row("PRAGMA integrity_check", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(check, "ok");
+    }
+
+    #[test]
+    fn a_replay_after_a_checkpoint_never_puts_an_older_wal_over_the_database() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+        let conn = open(&journal, dir.path());
+        insert(&conn, 0..40);
+        journal.sync().unwrap();
+        // Not synced by a pass: the checkpoint's own WAL sync must put
+        // these in the journal before the database holds them, or a
+        // replay would lay the WAL as of row 40 over a database of 80.
+        insert(&conn, 40..80);
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        let cut_after_checkpoint = cut(dir.path(), None);
+        recover(cut_after_checkpoint.path()).unwrap();
+        assert_intact(cut_after_checkpoint.path(), 80);
+        // The WAL starts over, over its old frames.
+        insert(&conn, 80..100);
+        journal.sync().unwrap();
+        insert(&conn, 100..110);
+        let cut = cut(dir.path(), None);
+        recover(cut.path()).unwrap();
+        assert_intact(cut.path(), 100);
+    }
+
+    #[test]
+    fn a_torn_tail_ends_the_replay_and_what_came_before_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+        let conn = open(&journal, dir.path());
+        insert(&conn, 0..20);
+        journal.sync().unwrap();
+        let synced = segments(&dir.path().join(JOURNAL_DIR)).unwrap()[0]
+            .1
+            .clone();
+        let whole = std::fs::metadata(&synced).unwrap().len();
+        insert(&conn, 20..40);
+        journal.sync().unwrap();
+        // The second sync's records, torn: cut into the middle of them.
+        let cut = cut(dir.path(), None);
+        let (_, segment) = segments(&cut.path().join(JOURNAL_DIR)).unwrap()[0].clone();
+        let len = std::fs::metadata(&segment).unwrap().len();
+        let file = OpenOptions::new().write(true).open(&segment).unwrap();
+        file.set_len(whole + (len - whole) / 2).unwrap();
+        drop(file);
+        recover(cut.path()).unwrap();
+        let kept = rows(cut.path());
+        assert!(
+            (20..40).contains(&kept.len()) && kept.iter().copied().eq(0..kept.len() as i64),
+            "{kept:?}"
+        );
+    }
+
+    #[test]
+    fn a_full_segment_is_rotated_once_its_wals_are_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), 64 << 10).unwrap();
+        let conn = open(&journal, dir.path());
+        for batch in 0..20 {
+            insert(&conn, batch * 10..batch * 10 + 10);
+            journal.sync().unwrap();
+        }
+        let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert!(left[0].0 > 2, "rotated more than once: {left:?}");
+        // What the rotations dropped from the journal is in the WAL file.
+        let wal = std::fs::read(dir.path().join("objects/ab/object.sqlite-wal")).unwrap();
+        let cut = cut(dir.path(), Some(&wal));
+        recover(cut.path()).unwrap();
+        assert_eq!(rows(cut.path()), (0..200).collect::<Vec<_>>());
+        // A clean close leaves nothing to replay.
+        drop(conn);
+        drop(journal);
+        assert!(segments(&dir.path().join(JOURNAL_DIR)).unwrap().is_empty());
+        assert_eq!(rows(dir.path()), (0..200).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_record_naming_a_file_outside_the_data_directory_stops_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let mut bytes = Vec::new();
+        let entry = Entry {
+            name: Arc::from(&b"../elsewhere.sqlite-wal"[..]),
+            kind: KIND_WRITE,
+            offset: 0,
+            start: 0,
+            len: 3,
+        };
+        encode(&mut bytes, 7, &entry, b"abc");
+        std::fs::write(journal_dir.join(segment_name(7)), bytes).unwrap();
+        let error = recover(dir.path()).unwrap_err();
+        assert!(matches!(error, JournalError::BadName { .. }), "{error}");
+        assert!(!dir.path().join("../elsewhere.sqlite-wal").exists());
+    }
+
+    #[test]
+    fn records_of_another_generation_or_with_a_bad_checksum_do_not_decode() {
+        let entry = Entry {
+            name: Arc::from(&b"objects/ab/x.sqlite-wal"[..]),
+            kind: KIND_WRITE,
+            offset: 4096,
+            start: 0,
+            len: 5,
+        };
+        let mut bytes = Vec::new();
+        encode(&mut bytes, 3, &entry, b"hello");
+        let (record, len) = decode(&bytes, 3).unwrap();
+        assert_eq!(
+            (record.offset, record.data, len),
+            (4096, &b"hello"[..], bytes.len())
+        );
+        assert!(decode(&bytes, 4).is_none());
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        assert!(decode(&bytes, 3).is_none());
+        assert!(decode(&bytes[..10], 3).is_none());
+    }
+
+    #[test]
+    fn a_wal_outside_the_data_directory_cannot_be_opened_through_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+        let conn = Connection::open_with_flags_and_vfs(
+            elsewhere.path().join("stray.sqlite"),
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,
+            journal.vfs_name(),
+        )
+        .unwrap();
+        let error = conn
+            .execute_batch("PRAGMA journal_mode=WAL; CREATE TABLE t (x);")
+            .unwrap_err();
+        assert_eq!(
+            error.sqlite_error_code(),
+            Some(rusqlite::ErrorCode::CannotOpen),
+            "{error}"
+        );
+    }
+}
