@@ -83,8 +83,7 @@ pub enum FlushMethod {
     /// it, or it was written 50 ms ago) in one pass,
     /// issued from up to 16 threads at once so the filesystem commits them
     /// together (and of the directory of a WAL created since its object
-    /// was opened). Touches only the host's own files. Default.
-    #[default]
+    /// was opened). Touches only the host's own files.
     WalFiles,
     /// One `syncfs` of the filesystem holding the data directory (Linux
     /// only). Costs one call per pass whatever the number of objects, but
@@ -95,7 +94,8 @@ pub enum FlushMethod {
     /// is also appended to the journal, and the WAL files are written
     /// back later (at checkpoints and when a journal segment is rotated).
     /// After a power cut the host's next start replays the journal into
-    /// the WAL files before it opens any object.
+    /// the WAL files before it opens any object. Default.
+    #[default]
     Journal,
 }
 

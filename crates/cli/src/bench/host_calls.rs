@@ -228,7 +228,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             format!(
                 "host: {threads} executor threads; each call inserts one small row in its own commit"
             ),
-            "modes: default = group commit with output gates (fdatasync of each dirty WAL per flush), default-syncfs = the same with one syncfs per flush, full = a sync per commit, normal = no sync".into(),
+            "modes: default = group commit with output gates (one fdatasync of the host journal per flush), default-walfiles = the same with an fdatasync of each dirty WAL per flush, default-syncfs = the same with one syncfs per flush, full = a sync per commit, normal = no sync".into(),
             "ops/s = replies/s (calls whose reply was released); commits_per_sec = commits returned inside the objects, until the last one".into(),
             "÷ floor: replies/s divided by full/write, raw rusqlite inserting the same row on one connection with synchronous=FULL; above 1 when commits overlap".into(),
         ],

@@ -34,22 +34,24 @@ pub use report::{Figure, Measurement, ScenarioReport};
 /// What `durability bench --help` says after the scenario list.
 pub const AFTER_HELP: &str = "\
 Durability modes. The host's default is group commit with output gates: a
-commit returns at memory speed, a host-wide flusher syncs every pending
-commit of every object together, and a call's reply is released once the
-commits before it are on disk. `full` syncs each commit; `normal` never
-waits for a sync (no promise at power loss). Scenarios name their
-measurements by mode: default/..., default-syncfs/... (one syncfs per flush
-instead of one fdatasync per dirty WAL), full/..., normal/....
+commit returns at memory speed, a host-wide flusher makes every pending
+commit of every object durable with one fdatasync of the host journal, and
+a call's reply is released once the commits before it are on disk. `full`
+syncs each commit; `normal` never waits for a sync (no promise at power
+loss). Scenarios name their measurements by mode: default/...,
+default-walfiles/... (one fdatasync per dirty WAL per flush instead of the
+journal), default-syncfs/... (one syncfs per flush), full/..., normal/....
 
   operations   end-to-end no-op ops/s (first registration to last committed
                completion) with 1 and 64 callers, on one object and across
-               100, per mode; p50/p99 = one registration as its caller waits.
+               100, per mode (with default-walfiles); p50/p99 = one
+               registration as its caller waits.
                Top-level ops_per_sec = default/100-objects/64-callers;
                top-level floor_ratio = that / full/write (the FULL 1-row
                commit rate of raw SQLite, same run); cpu_us_per_op = the
                process's CPU time per operation (user + system).
   host-calls   64 callers over 1 and 1,000 objects, each call one commit, per
-               mode (with default-syncfs): ops_per_sec = replies/s,
+               mode (with default-walfiles and default-syncfs): ops_per_sec = replies/s,
                commits_per_sec = commits returned inside the objects.
   fanout       deliveries/s with ack_on_return (one commit per batch) and
                without (ack-each, one commit per delivery) in the default

@@ -1,8 +1,9 @@
 //! The host's durability modes, as the scenarios that compare them run
-//! them: the default (group commit with output gates, each flush an
-//! `fdatasync` of every dirty WAL), the same with one `syncfs` per flush
-//! (Linux only: which of the two is cheaper is measured, not assumed),
-//! `synchronous=FULL` and `synchronous=NORMAL`.
+//! them: the default (group commit with output gates, each flush one
+//! `fdatasync` of the host journal), the same with the other flush
+//! methods (an `fdatasync` of every dirty WAL; one `syncfs`, Linux only:
+//! which is cheaper is measured, not assumed), `synchronous=FULL` and
+//! `synchronous=NORMAL`.
 
 use std::path::Path;
 
@@ -11,17 +12,23 @@ use durability_host::{FlushMethod, HostBuilder, Synchronous};
 /// One durability mode of the host.
 #[derive(Debug, Clone, Copy)]
 pub struct Mode {
-    /// The key in measurement names: `default`, `default-syncfs`, `full`,
-    /// `normal`.
+    /// The key in measurement names: `default`, `default-walfiles`,
+    /// `default-syncfs`, `full`, `normal`.
     pub key: &'static str,
     synchronous: Synchronous,
     flush: FlushMethod,
 }
 
 impl Mode {
-    /// The new default: group commit, per-WAL syncs.
+    /// The default: group commit, one journal sync per flush.
     pub const DEFAULT: Mode = Mode {
         key: "default",
+        synchronous: Synchronous::Batched,
+        flush: FlushMethod::Journal,
+    };
+    /// Group commit, per-WAL syncs.
+    pub const DEFAULT_WAL_FILES: Mode = Mode {
+        key: "default-walfiles",
         synchronous: Synchronous::Batched,
         flush: FlushMethod::WalFiles,
     };
@@ -52,12 +59,18 @@ impl Mode {
     }
 }
 
-/// The default, FULL and NORMAL: the modes a user chooses between.
-pub const MODES: [Mode; 3] = [Mode::DEFAULT, Mode::FULL, Mode::NORMAL];
+/// The default (and its per-WAL flush method, for comparison), FULL and
+/// NORMAL: the modes a user chooses between.
+pub const MODES: [Mode; 4] = [
+    Mode::DEFAULT,
+    Mode::DEFAULT_WAL_FILES,
+    Mode::FULL,
+    Mode::NORMAL,
+];
 
 /// [`MODES`] plus the default with `syncfs`, where the platform has it.
 pub fn with_syncfs() -> Vec<Mode> {
-    let mut modes = vec![Mode::DEFAULT];
+    let mut modes = vec![Mode::DEFAULT, Mode::DEFAULT_WAL_FILES];
     if cfg!(target_os = "linux") {
         modes.push(Mode::DEFAULT_SYNCFS);
     }

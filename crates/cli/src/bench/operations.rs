@@ -3,7 +3,8 @@
 //! No-op operations are registered by 1 and by 64 concurrent callers, run
 //! eagerly (or from the timer when every permit is busy) and completed; a
 //! lifecycle hook reports each completion after its commit. Measured in
-//! each durability mode (the default with output gates, FULL, NORMAL), on
+//! each durability mode (the default with output gates and its journal,
+//! the same with per-WAL syncs, FULL, NORMAL), on
 //! one object and across 100: end-to-end throughput (first registration to
 //! last committed completion) with the registration latency of its callers
 //! (one call that commits the row and the alarm and, in the default mode,
@@ -95,7 +96,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         measurements: vec![floor.clone()],
         figures: Vec::new(),
         notes: vec![
-            format!("host: {threads} executor threads, default scheduler options; modes: default (group commit with output gates), full, normal"),
+            format!("host: {threads} executor threads, default scheduler options; modes: default (group commit with output gates, one fdatasync of the host journal per flush), default-walfiles (the same, an fdatasync of each dirty WAL per flush), full, normal"),
             format!("1 or {CALLERS} callers register no-op operations; ops/s = end to end, from the first registration until the last completion committed; p50/p99 = one registration call as its caller waits for it (the reply is released once durable in the default mode)"),
             "÷ floor: end-to-end ops/s divided by full/write, raw SQLite committing one row per transaction with synchronous=FULL, measured in the same run".into(),
             "cpu_us_per_op (JSON): CPU time of the whole process (every thread: host, flusher, callers) from the first registration to the last completion, per operation".into(),
