@@ -342,6 +342,10 @@ pub(crate) struct GroupCommit {
     images: Option<Images>,
     /// With [`FlushMethod::Journal`].
     journal: Option<Arc<Journal>>,
+    /// Replies that waited at a gate so far, and as of the last gathered
+    /// pass (see [`GroupCommit::gather`]).
+    gated: AtomicU64,
+    gated_before_pass: AtomicU64,
 }
 
 impl GroupCommit {
@@ -385,6 +389,8 @@ impl GroupCommit {
                 wal_files: journal.is_none(),
             }),
             journal,
+            gated: AtomicU64::new(0),
+            gated_before_pass: AtomicU64::new(0),
         })
     }
 
@@ -490,6 +496,7 @@ impl GroupCommit {
         if mark.is_durable() {
             return Ok(());
         }
+        self.gated.fetch_add(1, Ordering::AcqRel);
         self.urge(mark);
         self.wait(|d| mark.is_durable() || d.seq >= mark.seq).await
     }
@@ -705,9 +712,16 @@ impl GroupCommit {
 
     /// Before a journal pass: while commits keep coming (executors busy
     /// with more work whose replies will wait too), let them join this
-    /// pass, for up to [`GATHER_MAX`]. A quiet [`GATHER_QUIET`] ends the
-    /// wait: a lone caller pays that much, many callers share one sync.
+    /// pass, for up to [`GATHER_MAX`]; a quiet [`GATHER_QUIET`] ends the
+    /// wait. Unless at most one reply came to wait since the last pass (a
+    /// lone caller): that one is synced at once.
     fn gather(&self) {
+        let waited = self.gated.load(Ordering::Acquire);
+        let since_last_pass = waited - self.gated_before_pass.swap(waited, Ordering::AcqRel);
+        if since_last_pass <= 1 {
+            // One reply waits, as from a lone caller: no one to share with.
+            return;
+        }
         let started = Instant::now();
         let mut seen = self.lock_dirty().last_seq;
         while started.elapsed() < GATHER_MAX {

@@ -36,7 +36,7 @@
 
 mod vfs;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
@@ -60,8 +60,30 @@ const CRC_LEN: usize = 4;
 const KIND_WRITE: u8 = 1;
 const KIND_TRUNCATE: u8 = 2;
 
-/// A WAL's path under the data directory, as the journal names it.
-pub(crate) type WalName = Arc<[u8]>;
+/// A WAL the journal has records of, across its opens: its path under the
+/// data directory, and how far its records are *settled*, that is durable
+/// outside the journal, so that a segment holding only settled records of
+/// it may go.
+pub(crate) struct Wal {
+    name: Box<[u8]>,
+    /// Every record of this WAL numbered up to this is settled:
+    /// - SQLite wrote a new WAL header (it starts over only once a
+    ///   checkpoint copied every frame into the database file and synced
+    ///   it, at `synchronous=NORMAL`): every earlier record is settled;
+    /// - SQLite deleted the WAL (on close, after such a checkpoint);
+    /// - the journal synced the WAL file itself (a straggler, below).
+    settled: AtomicU64,
+}
+
+impl Wal {
+    fn settle(&self, through: u64) {
+        self.settled.fetch_max(through, Ordering::AcqRel);
+    }
+
+    fn settled(&self) -> u64 {
+        self.settled.load(Ordering::Acquire)
+    }
+}
 
 /// Why the journal failed.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +116,9 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> JournalError + '_ {
 
 /// One change to a WAL, not yet in a segment.
 struct Entry {
-    name: WalName,
+    wal: Arc<Wal>,
+    /// Its number (of the last write merged into it).
+    number: u64,
     kind: u8,
     offset: u64,
     /// Its bytes in [`Pending::bytes`].
@@ -115,12 +139,26 @@ struct Segment {
     path: PathBuf,
     generation: u64,
     len: u64,
-    /// The WALs it holds writes of: synced in their own files before it
-    /// may be deleted.
-    written: HashSet<WalName>,
+    /// The WALs it holds records of, with the number of the last: it may
+    /// be deleted once each is settled through it.
+    written: HashMap<usize, (Arc<Wal>, u64)>,
     /// Scratch for encoding, kept between syncs.
     encoded: Vec<u8>,
 }
+
+/// The current segment and the full ones not yet deleted.
+struct Segments {
+    current: Segment,
+    /// Oldest first. One is deleted once every WAL it wrote to is settled
+    /// (usually within one more segment: an active object's WAL starts
+    /// over after each 1,000-page checkpoint); when a second full segment
+    /// would wait, the oldest one's stragglers are synced in their own
+    /// files and it goes.
+    retiring: VecDeque<Segment>,
+}
+
+/// Full segments kept while their WALs settle by themselves.
+const RETIRING: usize = 1;
 
 /// The journal of one host.
 pub(crate) struct Journal {
@@ -131,7 +169,11 @@ pub(crate) struct Journal {
     sqlite_root: Vec<u8>,
     limit: u64,
     pending: Mutex<Pending>,
-    segment: Mutex<Segment>,
+    /// Numbers the records, in the order SQLite wrote them.
+    numbered: AtomicU64,
+    segments: Mutex<Segments>,
+    /// Every WAL it has seen, by name.
+    wals: Mutex<HashMap<Box<[u8]>, Arc<Wal>>>,
     /// Spare buffers swapped with `pending` at each sync.
     spare: Mutex<Pending>,
     registration: OnceLock<vfs::Registration>,
@@ -168,7 +210,12 @@ impl Journal {
             sqlite_root,
             limit,
             pending: Mutex::new(Pending::default()),
-            segment: Mutex::new(segment),
+            numbered: AtomicU64::new(0),
+            segments: Mutex::new(Segments {
+                current: segment,
+                retiring: VecDeque::new(),
+            }),
+            wals: Mutex::new(HashMap::new()),
             spare: Mutex::new(Pending::default()),
             registration: OnceLock::new(),
             failed: AtomicBool::new(false),
@@ -188,23 +235,50 @@ impl Journal {
         self.registration.get().map_or("", |r| r.name())
     }
 
-    /// The name of the WAL SQLite calls `path`, if it lies under the data
-    /// directory.
-    fn wal_name(&self, path: &[u8]) -> Option<WalName> {
+    /// The WAL SQLite calls `path`, if it lies under the data directory.
+    fn wal(&self, path: &[u8]) -> Option<Arc<Wal>> {
         let relative = path.strip_prefix(self.sqlite_root.as_slice())?;
-        valid_name(relative).then(|| Arc::from(relative))
+        if !valid_name(relative) {
+            return None;
+        }
+        let mut wals = self.wals.lock().unwrap_or_else(|e| e.into_inner());
+        let wal = wals.entry(relative.into()).or_insert_with(|| {
+            Arc::new(Wal {
+                name: relative.into(),
+                settled: AtomicU64::new(0),
+            })
+        });
+        Some(Arc::clone(wal))
+    }
+
+    /// SQLite deleted the file at `path` (a WAL, after the checkpoint of
+    /// its close): every record of it so far is settled.
+    fn deleted(&self, path: &[u8]) {
+        let Some(relative) = path.strip_prefix(self.sqlite_root.as_slice()) else {
+            return;
+        };
+        let wals = self.wals.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(wal) = wals.get(relative) {
+            wal.settle(self.numbered.load(Ordering::Acquire));
+        }
     }
 
     fn lock_pending(&self) -> MutexGuard<'_, Pending> {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// SQLite wrote `bytes` at `offset` of WAL `name`.
-    fn wrote(&self, name: &WalName, offset: u64, bytes: &[u8]) {
+    /// SQLite wrote `bytes` at `offset` of `wal` (and the write is in
+    /// the file: a sync of it covers this record).
+    fn wrote(&self, wal: &Arc<Wal>, offset: u64, bytes: &[u8]) {
         if self.failed.load(Ordering::Acquire) {
             return;
         }
         let mut pending = self.lock_pending();
+        let number = self.numbered.fetch_add(1, Ordering::AcqRel) + 1;
+        if offset == 0 {
+            // A new WAL header: SQLite starts the log over (see `Wal`).
+            wal.settle(number - 1);
+        }
         let Pending {
             entries,
             bytes: all,
@@ -213,17 +287,19 @@ impl Journal {
         // frames follow one another: one record each.
         if let Some(last) = entries.last_mut()
             && last.kind == KIND_WRITE
-            && Arc::ptr_eq(&last.name, name)
+            && Arc::ptr_eq(&last.wal, wal)
             && last.offset + last.len as u64 == offset
             && last.start + last.len == all.len()
             && last.len + bytes.len() <= u32::MAX as usize
         {
             last.len += bytes.len();
+            last.number = number;
             all.extend_from_slice(bytes);
             return;
         }
         entries.push(Entry {
-            name: Arc::clone(name),
+            wal: Arc::clone(wal),
+            number,
             kind: KIND_WRITE,
             offset,
             start: all.len(),
@@ -232,15 +308,17 @@ impl Journal {
         all.extend_from_slice(bytes);
     }
 
-    /// SQLite truncated WAL `name` to `size` bytes.
-    fn truncated(&self, name: &WalName, size: u64) {
+    /// SQLite truncated `wal` to `size` bytes.
+    fn truncated(&self, wal: &Arc<Wal>, size: u64) {
         if self.failed.load(Ordering::Acquire) {
             return;
         }
         let mut pending = self.lock_pending();
+        let number = self.numbered.fetch_add(1, Ordering::AcqRel) + 1;
         let start = pending.bytes.len();
         pending.entries.push(Entry {
-            name: Arc::clone(name),
+            wal: Arc::clone(wal),
+            number,
             kind: KIND_TRUNCATE,
             offset: size,
             start,
@@ -251,7 +329,7 @@ impl Journal {
     /// Makes every write SQLite made so far durable: appends them to the
     /// segment and syncs it (one `fdatasync` for every object).
     pub(crate) fn sync(&self) -> Result<(), JournalError> {
-        let mut segment = self.segment.lock().unwrap_or_else(|e| e.into_inner());
+        let mut segments = self.segments.lock().unwrap_or_else(|e| e.into_inner());
         if self.failed.load(Ordering::Acquire) {
             return Err(JournalError::Failed);
         }
@@ -264,7 +342,7 @@ impl Journal {
         if taken.entries.is_empty() {
             return Ok(());
         }
-        let result = segment.append(&taken);
+        let result = segments.current.append(&taken);
         // Hand the buffers back for reuse.
         {
             let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
@@ -277,10 +355,8 @@ impl Journal {
             self.fail();
             return Err(error);
         }
-        if segment.len >= self.limit
-            && let Err(error) = self.rotate(&mut segment)
-        {
-            // Nothing is lost: the old segment stays and is replayed.
+        if let Err(error) = self.rotate(&mut segments) {
+            // Nothing is lost: a segment not deleted is replayed.
             tracing::warn!(%error, "the journal could not rotate its segment; trying again at the next sync");
         }
         Ok(())
@@ -296,36 +372,83 @@ impl Journal {
         pending.bytes = Vec::new();
     }
 
-    /// Starts the next segment, syncs every WAL the old one wrote to in
-    /// its own file, then deletes the old one.
-    fn rotate(&self, segment: &mut Segment) -> Result<(), JournalError> {
-        let next = Segment::create(&self.dir, segment.generation + 1)?;
-        let old = std::mem::replace(segment, next);
-        sync_files(&self.root, old.written.iter())?;
-        std::fs::remove_file(&old.path).map_err(io(&old.path))?;
-        sync_dir(&self.dir)?;
+    /// Starts the next segment once the current one is full, and deletes
+    /// the full ones whose WALs are settled (forcing the oldest when too
+    /// many wait).
+    fn rotate(&self, segments: &mut Segments) -> Result<(), JournalError> {
+        if segments.current.len >= self.limit {
+            let next = Segment::create(&self.dir, segments.current.generation + 1)?;
+            let full = std::mem::replace(&mut segments.current, next);
+            segments.retiring.push_back(full);
+        }
+        let mut deleted = false;
+        while let Some(oldest) = segments.retiring.front() {
+            if !oldest.settled() {
+                if segments.retiring.len() <= RETIRING {
+                    break;
+                }
+                self.settle(oldest.written.values())?;
+            }
+            std::fs::remove_file(&oldest.path).map_err(io(&oldest.path))?;
+            segments.retiring.pop_front();
+            deleted = true;
+        }
+        if deleted {
+            sync_dir(&self.dir)?;
+        }
+        Ok(())
+    }
+
+    /// Syncs the WAL files of `written` not yet settled, in their own
+    /// files: every record numbered so far is then settled.
+    fn settle<'a>(
+        &self,
+        written: impl Iterator<Item = &'a (Arc<Wal>, u64)>,
+    ) -> Result<(), JournalError> {
+        let through = self.numbered.load(Ordering::Acquire);
+        let unsettled: Vec<&Arc<Wal>> = written
+            .filter(|(wal, last)| wal.settled() < *last)
+            .map(|(wal, _)| wal)
+            .collect();
+        sync_files(&self.root, unsettled.iter().map(|wal| &*wal.name))?;
+        for wal in unsettled {
+            wal.settle(through);
+        }
         Ok(())
     }
 }
 
 impl Drop for Journal {
     /// The last holder is gone, and with it every connection (each open
-    /// WAL holds the journal): once the WALs it wrote to are synced in
-    /// their own files, the segment is not needed, and the next start has
-    /// nothing to replay. If they cannot be synced it stays, and is.
+    /// WAL holds the journal): once the WALs the segments wrote to are
+    /// settled (a clean close deleted them; any other is synced in its own
+    /// file), the segments are not needed, and the next start has nothing
+    /// to replay. If they cannot be synced the segments stay, and are.
     fn drop(&mut self) {
         if *self.failed.get_mut() {
             return;
         }
-        let segment = self.segment.get_mut().unwrap_or_else(|e| e.into_inner());
-        let pending = self.pending.get_mut().unwrap_or_else(|e| e.into_inner());
-        let mut names = std::mem::take(&mut segment.written);
-        names.extend(pending.entries.iter().map(|entry| Arc::clone(&entry.name)));
-        let cleared = sync_files(&self.root, names.iter())
-            .and_then(|()| std::fs::remove_file(&segment.path).map_err(io(&segment.path)))
-            .and_then(|()| sync_dir(&self.dir));
+        let pending = std::mem::take(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let segments = self.segments.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut written: Vec<(Arc<Wal>, u64)> = pending
+            .entries
+            .iter()
+            .map(|entry| (Arc::clone(&entry.wal), entry.number))
+            .collect();
+        let mut paths = vec![segments.current.path.clone()];
+        written.extend(segments.current.written.values().cloned());
+        for segment in &segments.retiring {
+            paths.push(segment.path.clone());
+            written.extend(segment.written.values().cloned());
+        }
+        let cleared = self.settle(written.iter()).and_then(|()| {
+            for path in &paths {
+                std::fs::remove_file(path).map_err(io(path))?;
+            }
+            sync_dir(&self.dir)
+        });
         if let Err(error) = cleared {
-            tracing::warn!(%error, "the journal segment was kept; the next start replays it");
+            tracing::warn!(%error, "journal segments were kept; the next start replays them");
         }
     }
 }
@@ -345,9 +468,16 @@ impl Segment {
             path,
             generation,
             len: 0,
-            written: HashSet::new(),
+            written: HashMap::new(),
             encoded: Vec::new(),
         })
+    }
+
+    /// Whether every WAL it holds records of is settled through them.
+    fn settled(&self) -> bool {
+        self.written
+            .values()
+            .all(|(wal, last)| wal.settled() >= *last)
     }
 
     /// Appends the records of `pending` and syncs.
@@ -359,9 +489,10 @@ impl Segment {
                 .get(entry.start..entry.start + entry.len)
                 .unwrap_or_default();
             encode(&mut self.encoded, self.generation, entry, data);
-            if !self.written.contains(&entry.name) {
-                self.written.insert(Arc::clone(&entry.name));
-            }
+            self.written
+                .entry(Arc::as_ptr(&entry.wal) as usize)
+                .and_modify(|(_, last)| *last = entry.number)
+                .or_insert_with(|| (Arc::clone(&entry.wal), entry.number));
         }
         // At its length, not appended: a write that failed halfway is
         // overwritten by the next.
@@ -383,10 +514,10 @@ fn encode(out: &mut Vec<u8>, generation: u64, entry: &Entry, data: &[u8]) {
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&generation.to_le_bytes());
     out.push(entry.kind);
-    out.extend_from_slice(&(entry.name.len() as u16).to_le_bytes());
+    out.extend_from_slice(&(entry.wal.name.len() as u16).to_le_bytes());
     out.extend_from_slice(&(data.len() as u32).to_le_bytes());
     out.extend_from_slice(&entry.offset.to_le_bytes());
-    out.extend_from_slice(&entry.name);
+    out.extend_from_slice(&entry.wal.name);
     out.extend_from_slice(data);
     let crc = crc32fast::hash(&out[start..]);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -523,12 +654,9 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
     if segments.is_empty() {
         return Ok(newest);
     }
-    let names: Vec<WalName> = files
-        .keys()
-        .map(|name| Arc::from(name.as_slice()))
-        .collect();
+    let names: Vec<Vec<u8>> = files.keys().cloned().collect();
     drop(files);
-    sync_files(root, names.iter())?;
+    sync_files(root, names.iter().map(Vec::as_slice))?;
     for (_, path) in &segments {
         std::fs::remove_file(path).map_err(io(path))?;
     }
@@ -544,10 +672,7 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
 
 /// `fdatasync`s the WALs `names` under `root` (a missing one was
 /// checkpointed and removed by its close) and their directories.
-fn sync_files<'a>(
-    root: &Path,
-    names: impl Iterator<Item = &'a WalName>,
-) -> Result<(), JournalError> {
+fn sync_files<'a>(root: &Path, names: impl Iterator<Item = &'a [u8]>) -> Result<(), JournalError> {
     let mut dirs = HashSet::new();
     for name in names {
         let path = root.join(std::ffi::OsStr::from_bytes(name));
@@ -619,7 +744,8 @@ mod tests {
     use rusqlite::{Connection, OpenFlags};
 
     /// An object file under `dir` opened through `journal`'s VFS, in WAL
-    /// mode at `synchronous=NORMAL` as the host runs it.
+    /// mode at `synchronous=NORMAL` as the host runs it; checkpoints only
+    /// when a test asks.
     fn open(journal: &Journal, dir: &Path) -> Connection {
         let path = dir.join("objects/ab/object.sqlite");
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -631,6 +757,7 @@ mod tests {
         .unwrap();
         conn.execute_batch(
             "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;
+             PRAGMA wal_autocheckpoint=0;
              CREATE TABLE IF NOT EXISTS rows (n INTEGER PRIMARY KEY, body TEXT);",
         )
         .unwrap();
@@ -779,27 +906,51 @@ mod tests {
     }
 
     #[test]
-    fn a_full_segment_is_rotated_once_its_wals_are_synced() {
+    fn full_segments_wait_for_their_wals_to_settle_and_stragglers_are_synced() {
         let dir = tempfile::tempdir().unwrap();
         let journal = Journal::open(dir.path(), 64 << 10).unwrap();
         let conn = open(&journal, dir.path());
+        // No checkpoint: the WAL never starts over, so a full segment
+        // waits until a second one is full, then the WAL is synced.
+        let mut waited = false;
         for batch in 0..20 {
             insert(&conn, batch * 10..batch * 10 + 10);
             journal.sync().unwrap();
+            let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
+            assert!(left.len() <= 1 + RETIRING, "{left:?}");
+            waited |= left.len() == 1 + RETIRING;
         }
+        assert!(waited, "no full segment waited for its WAL");
         let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
-        assert_eq!(left.len(), 1, "{left:?}");
-        assert!(left[0].0 > 2, "rotated more than once: {left:?}");
-        // What the rotations dropped from the journal is in the WAL file.
+        assert!(
+            left.last().unwrap().0 > 3,
+            "rotated more than twice: {left:?}"
+        );
+        // What the deleted segments held is in the WAL file.
         let wal = std::fs::read(dir.path().join("objects/ab/object.sqlite-wal")).unwrap();
         let cut = cut(dir.path(), Some(&wal));
         recover(cut.path()).unwrap();
         assert_eq!(rows(cut.path()), (0..200).collect::<Vec<_>>());
+        // A checkpoint that lets SQLite start the WAL over settles every
+        // record before it: the waiting segment goes at the next sync.
+        // (Fill the current segment so that it waits.)
+        while segments(&dir.path().join(JOURNAL_DIR)).unwrap().len() == 1 {
+            insert(&conn, 1_000..1_001);
+            conn.execute("DELETE FROM rows WHERE n >= 1000", [])
+                .unwrap();
+            journal.sync().unwrap();
+        }
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        insert(&conn, 200..201);
+        journal.sync().unwrap();
+        let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
+        assert_eq!(left.len(), 1, "{left:?}");
         // A clean close leaves nothing to replay.
         drop(conn);
         drop(journal);
         assert!(segments(&dir.path().join(JOURNAL_DIR)).unwrap().is_empty());
-        assert_eq!(rows(dir.path()), (0..200).collect::<Vec<_>>());
+        assert_eq!(rows(dir.path()), (0..201).collect::<Vec<_>>());
     }
 
     #[test]
@@ -809,7 +960,8 @@ mod tests {
         std::fs::create_dir_all(&journal_dir).unwrap();
         let mut bytes = Vec::new();
         let entry = Entry {
-            name: Arc::from(&b"../elsewhere.sqlite-wal"[..]),
+            wal: wal(b"../elsewhere.sqlite-wal"),
+            number: 1,
             kind: KIND_WRITE,
             offset: 0,
             start: 0,
@@ -822,10 +974,18 @@ mod tests {
         assert!(!dir.path().join("../elsewhere.sqlite-wal").exists());
     }
 
+    fn wal(name: &[u8]) -> Arc<Wal> {
+        Arc::new(Wal {
+            name: name.into(),
+            settled: AtomicU64::new(0),
+        })
+    }
+
     #[test]
     fn records_of_another_generation_or_with_a_bad_checksum_do_not_decode() {
         let entry = Entry {
-            name: Arc::from(&b"objects/ab/x.sqlite-wal"[..]),
+            wal: wal(b"objects/ab/x.sqlite-wal"),
+            number: 1,
             kind: KIND_WRITE,
             offset: 4096,
             start: 0,

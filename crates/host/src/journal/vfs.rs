@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 
 use rusqlite::ffi;
 
-use super::{Journal, WalName};
+use super::{Journal, Wal};
 
 /// What a registered VFS knows: the platform's VFS and its journal.
 struct VfsData {
@@ -33,7 +33,7 @@ struct ShimFile {
 /// A journaled WAL: where its writes go.
 struct WalLog {
     journal: Arc<Journal>,
-    name: WalName,
+    wal: Arc<Wal>,
 }
 
 /// Where the platform's file starts, aligned for any of its fields.
@@ -73,6 +73,7 @@ impl Registration {
         // `pAppData`, and ours passes the platform's VFS on).
         vfs.pAppData = Box::into_raw(Box::new(VfsData { root, journal })).cast();
         vfs.xOpen = Some(shim_open);
+        vfs.xDelete = Some(shim_delete);
         let vfs = Box::into_raw(Box::new(vfs));
         // SAFETY: `vfs` is a valid VFS whose memory is never freed.
         let rc = unsafe { ffi::sqlite3_vfs_register(vfs, 0) };
@@ -161,8 +162,8 @@ unsafe extern "C" fn shim_open(
             Some(unsafe { CStr::from_ptr(name as *const c_char) }.to_bytes())
         };
         let wal = data.journal.upgrade().and_then(|journal| {
-            let name = journal.wal_name(path?)?;
-            Some(WalLog { journal, name })
+            let wal = journal.wal(path?)?;
+            Some(WalLog { journal, wal })
         });
         match wal {
             Some(wal) => {
@@ -182,6 +183,32 @@ unsafe extern "C" fn shim_open(
     // SAFETY: the platform's file is open: route SQLite through ours.
     unsafe { (*shim).base.pMethods = &SHIM_METHODS };
     ffi::SQLITE_OK
+}
+
+/// SQLite deletes a WAL when its last connection closes, after a
+/// checkpoint that copied every frame into the database file: the
+/// journal's records of it are settled.
+unsafe extern "C" fn shim_delete(
+    vfs: *mut ffi::sqlite3_vfs,
+    name: *const c_char,
+    sync_dir: c_int,
+) -> c_int {
+    // SAFETY: pAppData was set by `register` and is never freed.
+    let data = unsafe { &*(*vfs).pAppData.cast::<VfsData>() };
+    // SAFETY: the platform's VFS.
+    let Some(delete) = (unsafe { (*data.root).xDelete }) else {
+        return ffi::SQLITE_IOERR_DELETE;
+    };
+    // SAFETY: the platform's method with its own VFS and SQLite's name.
+    let rc = unsafe { delete(data.root, name, sync_dir) };
+    if (rc == ffi::SQLITE_OK || rc == ffi::SQLITE_IOERR_DELETE_NOENT)
+        && !name.is_null()
+        && let Some(journal) = data.journal.upgrade()
+    {
+        // SAFETY: SQLite names the file with a NUL-terminated path.
+        journal.deleted(unsafe { CStr::from_ptr(name) }.to_bytes());
+    }
+    rc
 }
 
 /// The journal of a shim file, if it is a journaled WAL.
@@ -229,7 +256,7 @@ unsafe extern "C" fn shim_write(
             // SAFETY: SQLite passes `amount` readable bytes at `buf`.
             unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
         };
-        wal.journal.wrote(&wal.name, offset as u64, bytes);
+        wal.journal.wrote(&wal.wal, offset as u64, bytes);
     }
     rc
 }
@@ -243,7 +270,7 @@ unsafe extern "C" fn shim_truncate(
     if rc == ffi::SQLITE_OK
         && let Some(wal) = unsafe { wal_of(file) }
     {
-        wal.journal.truncated(&wal.name, size as u64);
+        wal.journal.truncated(&wal.wal, size as u64);
     }
     rc
 }
@@ -251,16 +278,20 @@ unsafe extern "C" fn shim_truncate(
 /// SQLite syncs a WAL (at `synchronous=NORMAL`) only before it copies the
 /// WAL's pages into the database at a checkpoint. The journal must hold
 /// every write of the WAL before that: a replay after a power cut must not
-/// bring back a shorter WAL over a database that already holds more.
+/// bring back a shorter WAL over a database that already holds more. The
+/// journal's sync is the WAL's: the file itself is left to the page cache.
 unsafe extern "C" fn shim_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     // SAFETY: opened by shim_open.
-    if let Some(wal) = unsafe { wal_of(file) }
-        && let Err(error) = wal.journal.sync()
-    {
-        tracing::error!(%error, "the journal could not be synced before a checkpoint");
-        return ffi::SQLITE_IOERR_FSYNC;
+    match unsafe { wal_of(file) } {
+        Some(wal) => match wal.journal.sync() {
+            Ok(()) => ffi::SQLITE_OK,
+            Err(error) => {
+                tracing::error!(%error, "the journal could not be synced before a checkpoint");
+                ffi::SQLITE_IOERR_FSYNC
+            }
+        },
+        None => forward!(file, xSync, flags),
     }
-    forward!(file, xSync, flags)
 }
 
 unsafe extern "C" fn shim_file_size(
