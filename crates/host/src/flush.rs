@@ -45,6 +45,12 @@
 //!   its directory is synced too, once per pass.
 //! - [`FlushMethod::Syncfs`] replaces the whole pass with one `syncfs` of
 //!   the data directory's filesystem, which covers all of the above.
+//! - [`FlushMethod::Journal`] (the default) replaces the WAL syncs with one
+//!   `fdatasync` of the host journal, which holds a copy of every WAL
+//!   write and is replayed into the WAL files at the next start (see
+//!   [`crate::journal`]). Since one sync covers every object, a journal
+//!   pass takes every dirty file, and first waits a little while commits
+//!   keep coming ([`GroupCommit::gather`]).
 //!
 //! A failed sync cannot be retried safely (the kernel may already have
 //! dropped the pages it could not write), so after one the gates stay

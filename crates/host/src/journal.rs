@@ -380,6 +380,13 @@ impl Journal {
             let next = Segment::create(&self.dir, segments.current.generation + 1)?;
             let full = std::mem::replace(&mut segments.current, next);
             segments.retiring.push_back(full);
+            // Forget the WALs nothing refers to any more (no open file, no
+            // segment, no pending record), so the map does not grow with
+            // every object the host ever opened.
+            self.wals
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|_, wal| Arc::strong_count(wal) > 1);
         }
         let mut deleted = false;
         while let Some(oldest) = segments.retiring.front() {
