@@ -729,7 +729,16 @@ impl GroupCommit {
             return;
         }
         let started = Instant::now();
-        let mut seen = self.lock_dirty().last_seq;
+        let mut seen = {
+            let dirty = self.lock_dirty();
+            let index = self.index_wal.key();
+            if dirty.files.keys().filter(|key| **key != index).count() <= 1 {
+                // One busy object: its commits follow one another on one
+                // executor, which goes on while this pass syncs.
+                return;
+            }
+            dirty.last_seq
+        };
         while started.elapsed() < GATHER_MAX {
             std::thread::sleep(GATHER_QUIET);
             let dirty = self.lock_dirty();
@@ -766,7 +775,6 @@ impl GroupCommit {
             (FlushMethod::Syncfs, _) => syncfs(&self.data_dir),
             (FlushMethod::Journal, Some(journal)) => {
                 journal.sync().map_err(std::io::Error::other)?;
-                crate::telemetry::fsynced();
                 if own.is_empty() {
                     Ok(Unopened::default())
                 } else {

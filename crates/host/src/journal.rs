@@ -507,6 +507,7 @@ impl Segment {
             .write_all_at(&self.encoded, self.len)
             .map_err(io(&self.path))?;
         self.file.sync_data().map_err(io(&self.path))?;
+        crate::telemetry::fsynced();
         self.len += self.encoded.len() as u64;
         Ok(())
     }
@@ -684,7 +685,10 @@ fn sync_files<'a>(root: &Path, names: impl Iterator<Item = &'a [u8]>) -> Result<
     for name in names {
         let path = root.join(std::ffi::OsStr::from_bytes(name));
         match File::open(&path) {
-            Ok(file) => file.sync_data().map_err(io(&path))?,
+            Ok(file) => {
+                file.sync_data().map_err(io(&path))?;
+                crate::telemetry::fsynced();
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io(&path)(e)),
         }

@@ -23,7 +23,8 @@ pub const EVICTIONS: &str = "durability_host_evictions_total";
 pub const COMMITS: &str = "durability_host_commits_total";
 /// Counter: syncs to disk the host asked for: one per object commit with
 /// `synchronous=FULL`, one per alarm-index write that must be durable, and
-/// with group commit one per WAL file (and new directory) a flush syncs.
+/// with group commit one per journal sync (a flush, a checkpoint), or one
+/// per WAL file (and new directory) a flush or the journal syncs.
 pub const FSYNCS: &str = "durability_host_fsyncs_total";
 /// Counter: deliveries of an object's alarm, by `namespace` (retries too).
 pub const ALARM_FIRES: &str = "durability_host_alarm_fires_total";
