@@ -593,6 +593,9 @@ pub(crate) fn recover(data_dir: &Path) -> Result<(), JournalError> {
     Ok(())
 }
 
+/// The most WAL files a replay keeps open at once.
+const REPLAY_OPEN_FILES: usize = 64;
+
 /// The segments in `dir`, oldest first, by generation.
 fn segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
     let mut found = Vec::new();
@@ -618,7 +621,10 @@ fn segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
 fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
     let segments = segments(dir)?;
     let newest = segments.last().map_or(0, |(generation, _)| *generation);
+    // A few files open at a time (a journal may name more WALs than the
+    // process may open); every one written is synced by name at the end.
     let mut files: HashMap<Vec<u8>, File> = HashMap::new();
+    let mut touched: HashSet<Vec<u8>> = HashSet::new();
     let mut records = 0u64;
     for (generation, path) in &segments {
         let bytes = std::fs::read(path).map_err(io(path))?;
@@ -632,6 +638,12 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
                 });
             }
             let target = root.join(std::ffi::OsStr::from_bytes(record.name));
+            if files.len() >= REPLAY_OPEN_FILES && !files.contains_key(record.name) {
+                files.clear();
+            }
+            if !touched.contains(record.name) {
+                touched.insert(record.name.to_vec());
+            }
             let file = match files.entry(record.name.to_vec()) {
                 std::collections::hash_map::Entry::Occupied(file) => file.into_mut(),
                 std::collections::hash_map::Entry::Vacant(slot) => {
@@ -662,8 +674,8 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
     if segments.is_empty() {
         return Ok(newest);
     }
-    let names: Vec<Vec<u8>> = files.keys().cloned().collect();
     drop(files);
+    let names: Vec<Vec<u8>> = touched.into_iter().collect();
     sync_files(root, names.iter().map(Vec::as_slice))?;
     for (_, path) in &segments {
         std::fs::remove_file(path).map_err(io(path))?;
@@ -990,6 +1002,43 @@ mod tests {
             name: name.into(),
             settled: AtomicU64::new(0),
         })
+    }
+
+    #[test]
+    fn a_replay_writes_more_wals_than_it_keeps_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let count = REPLAY_OPEN_FILES * 2 + 1;
+        let mut bytes = Vec::new();
+        // Two rounds over every file, so each is reopened after the cache
+        // was emptied.
+        for round in 0..2_u8 {
+            for n in 0..count {
+                let entry = Entry {
+                    wal: wal(format!("objects/{:02x}/{n}.sqlite-wal", n % 7).as_bytes()),
+                    number: 1,
+                    kind: KIND_WRITE,
+                    offset: u64::from(round) * 4,
+                    start: 0,
+                    len: 4,
+                };
+                encode(&mut bytes, 3, &entry, &[round + 1; 4]);
+            }
+        }
+        std::fs::write(journal_dir.join(segment_name(3)), bytes).unwrap();
+        recover(dir.path()).unwrap();
+        for n in 0..count {
+            let path = dir
+                .path()
+                .join(format!("objects/{:02x}/{n}.sqlite-wal", n % 7));
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                [1, 1, 1, 1, 2, 2, 2, 2],
+                "{n}"
+            );
+        }
+        assert!(segments(&journal_dir).unwrap().is_empty());
     }
 
     #[test]
