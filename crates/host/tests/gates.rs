@@ -47,6 +47,13 @@ fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
 /// restored into a fresh directory (empty before the first flush), with
 /// its journal replayed as the next start would.
 fn power_cut(images: &Path) -> tempfile::TempDir {
+    let restored = power_cut_unreplayed(images);
+    durability_host::replay_journal(restored.path()).unwrap();
+    restored
+}
+
+/// The newest sync image as the disk holds it, journal and all.
+fn power_cut_unreplayed(images: &Path) -> tempfile::TempDir {
     loop {
         let restored = tempfile::tempdir().unwrap();
         let Ok(latest) = std::fs::read_to_string(images.join("latest")) else {
@@ -54,10 +61,55 @@ fn power_cut(images: &Path) -> tempfile::TempDir {
         };
         // A newer image may replace this one while it is copied: take that.
         if copy_tree(&images.join(latest.trim()), restored.path()).is_ok() {
-            durability_host::replay_journal(restored.path()).unwrap();
             return restored;
         }
     }
+}
+
+/// A host started on a power-cut disk replays the journal first, in
+/// whatever mode it runs: here `Full`, which keeps no journal of its own.
+#[tokio::test]
+async fn a_host_in_any_mode_replays_a_journal_it_finds() {
+    let dir = tempfile::tempdir().unwrap();
+    let images = tempfile::tempdir().unwrap();
+    let host = batched_host(dir.path(), images.path(), FlushMethod::Journal);
+    let stub = notes(&host).stub("replayed").unwrap();
+    for i in 0..5 {
+        let text = format!("row {i}");
+        stub.call(move |o: Rc<Notes>| async move { o.add(&text) })
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let cut = power_cut_unreplayed(images.path());
+    host.shutdown().await;
+    let file = file_under(&host, stub.id(), cut.path());
+    let mut wal = file.clone().into_os_string();
+    wal.push("-wal");
+    assert!(
+        !Path::new(&wal).exists(),
+        "an image with the journal holds no WAL"
+    );
+    let after = Host::builder(cut.path())
+        .threads(1)
+        .synchronous(Synchronous::Full)
+        .build()
+        .unwrap();
+    let texts = notes(&after)
+        .stub("replayed")
+        .unwrap()
+        .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
+        .await
+        .unwrap();
+    assert_eq!(
+        texts,
+        (0..5).map(|i| format!("row {i}")).collect::<Vec<_>>()
+    );
+    after.shutdown().await;
+    let segments = std::fs::read_dir(cut.path().join("journal"))
+        .unwrap()
+        .count();
+    assert_eq!(segments, 0, "the replayed segments are gone");
 }
 
 /// Where object `id`'s file lies under another data directory.
