@@ -95,12 +95,7 @@ async fn a_host_in_any_mode_replays_a_journal_it_finds() {
         .synchronous(Synchronous::Full)
         .build()
         .unwrap();
-    let texts = notes(&after)
-        .stub("replayed")
-        .unwrap()
-        .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
-        .await
-        .unwrap();
+    let texts = texts_of(&after, "replayed").await;
     assert_eq!(
         texts,
         (0..5).map(|i| format!("row {i}")).collect::<Vec<_>>()
@@ -110,6 +105,16 @@ async fn a_host_in_any_mode_replays_a_journal_it_finds() {
         .unwrap()
         .count();
     assert_eq!(segments, 0, "the replayed segments are gone");
+}
+
+/// The notes of object `name` on `host`.
+async fn texts_of(host: &Host, name: &str) -> Vec<String> {
+    notes(host)
+        .stub(name)
+        .unwrap()
+        .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
+        .await
+        .unwrap()
 }
 
 /// Where object `id`'s file lies under another data directory.
@@ -400,12 +405,7 @@ async fn a_moved_data_directory_does_not_hold_the_journal_s_replies() {
     host.shutdown().await;
     let relative = file.strip_prefix(&dir).unwrap();
     let host = Host::builder(&moved).threads(1).build().unwrap();
-    let texts = notes(&host)
-        .stub("moved")
-        .unwrap()
-        .call(|o: Rc<Notes>| async move { o.texts().unwrap() })
-        .await
-        .unwrap();
+    let texts = texts_of(&host, "moved").await;
     assert_eq!(texts, ["before", "after"], "{}", relative.display());
     host.shutdown().await;
 }
