@@ -787,6 +787,15 @@ mod tests {
         conn
     }
 
+    /// A data directory with a journal of segments of `limit` bytes and
+    /// one object file open through it.
+    fn journaled(limit: u64) -> (tempfile::TempDir, Arc<Journal>, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = Journal::open(dir.path(), limit).unwrap();
+        let conn = open(&journal, dir.path());
+        (dir, journal, conn)
+    }
+
     fn insert(conn: &Connection, range: std::ops::Range<i64>) {
         for n in range {
             conn.execute(
@@ -832,9 +841,7 @@ mod tests {
 
     #[test]
     fn a_replay_brings_back_every_synced_commit_whatever_the_wal_lost() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
-        let conn = open(&journal, dir.path());
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..50);
         journal.sync().unwrap();
         // Written but not synced: a power cut may lose these.
@@ -872,9 +879,7 @@ mod tests {
 
     #[test]
     fn a_replay_after_a_checkpoint_never_puts_an_older_wal_over_the_database() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
-        let conn = open(&journal, dir.path());
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..40);
         journal.sync().unwrap();
         // Not synced by a pass: the checkpoint's own WAL sync must put
@@ -897,9 +902,7 @@ mod tests {
 
     #[test]
     fn a_torn_tail_ends_the_replay_and_what_came_before_is_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
-        let conn = open(&journal, dir.path());
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..20);
         journal.sync().unwrap();
         let synced = segments(&dir.path().join(JOURNAL_DIR)).unwrap()[0]
@@ -925,9 +928,7 @@ mod tests {
 
     #[test]
     fn full_segments_wait_for_their_wals_to_settle_and_stragglers_are_synced() {
-        let dir = tempfile::tempdir().unwrap();
-        let journal = Journal::open(dir.path(), 64 << 10).unwrap();
-        let conn = open(&journal, dir.path());
+        let (dir, journal, conn) = journaled(64 << 10);
         // No checkpoint: the WAL never starts over, so a full segment
         // waits until a second one is full, then the WAL is synced.
         let mut waited = false;

@@ -400,13 +400,10 @@ async fn a_moved_data_directory_does_not_hold_the_journal_s_replies() {
         .await
         .unwrap()
         .unwrap();
-    let id = stub.id().clone();
-    let file = host.object_file(&id);
     host.shutdown().await;
-    let relative = file.strip_prefix(&dir).unwrap();
+    assert!(!dir.exists());
     let host = Host::builder(&moved).threads(1).build().unwrap();
-    let texts = texts_of(&host, "moved").await;
-    assert_eq!(texts, ["before", "after"], "{}", relative.display());
+    assert_eq!(texts_of(&host, "moved").await, ["before", "after"]);
     host.shutdown().await;
 }
 
