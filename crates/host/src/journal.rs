@@ -52,6 +52,19 @@ pub(crate) const SEGMENT_LIMIT: u64 = 256 << 20;
 /// The journal's directory under the data directory.
 pub(crate) const JOURNAL_DIR: &str = "journal";
 
+/// A segment file grows by this many zeros at a time, ahead of its
+/// records, when a small pass reaches its end.
+const ZERO_CHUNK: u64 = 1 << 20;
+
+/// Passes of at least this many bytes grow the segment without zeros.
+///
+/// Measured on `bench operations` (default mode, 64 callers, 100
+/// objects; three interleaved pairs): zeros ahead of every pass cost
+/// about a tenth of the throughput (6,512 / 6,964 / 7,108 ops/s against
+/// 6,856 / 8,678 / 7,738), while they made a lone caller's operations
+/// 2,654 ops/s (p50 335 us) instead of 1,691-2,086 (p50 465-553 us).
+const ZERO_BELOW: usize = 64 << 10;
+
 /// First bytes of every record.
 const MAGIC: [u8; 4] = *b"DJR1";
 /// Magic, generation, kind, name length, data length, offset.
@@ -138,7 +151,10 @@ struct Segment {
     file: File,
     path: PathBuf,
     generation: u64,
+    /// Bytes of records.
     len: u64,
+    /// Bytes of the file written (zeros past `len`).
+    allocated: u64,
     /// The WALs it holds records of, with the number of the last: it may
     /// be deleted once each is settled through it.
     written: HashMap<usize, (Arc<Wal>, u64)>,
@@ -475,6 +491,7 @@ impl Segment {
             path,
             generation,
             len: 0,
+            allocated: 0,
             written: HashMap::new(),
             encoded: Vec::new(),
         })
@@ -500,6 +517,24 @@ impl Segment {
                 .entry(Arc::as_ptr(&entry.wal) as usize)
                 .and_modify(|(_, last)| *last = entry.number)
                 .or_insert_with(|| (Arc::clone(&entry.wal), entry.number));
+        }
+        let end = self.len + self.encoded.len() as u64;
+        if end > self.allocated && self.encoded.len() >= ZERO_BELOW {
+            // A large pass (many callers) shares the cost of growing the
+            // file; zeros would double the bytes written.
+            self.allocated = end;
+        } else if end > self.allocated {
+            // A small pass (a lone caller) waits on its sync: zeros ahead
+            // of the records make the next syncs of small passes write
+            // data alone, where one that grows the file also commits its
+            // size (measured here: 20 KB and an fdatasync, p50 110 us
+            // against 270 us appended).
+            let target = end.next_multiple_of(ZERO_CHUNK);
+            let zeros = vec![0u8; usize::try_from(target - self.allocated).unwrap_or(0)];
+            self.file
+                .write_all_at(&zeros, self.allocated)
+                .map_err(io(&self.path))?;
+            self.allocated = target;
         }
         // At its length, not appended: a write that failed halfway is
         // overwritten by the next.
@@ -667,7 +702,10 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
             records += 1;
             at += len;
         }
-        if at < bytes.len() {
+        if bytes
+            .get(at..)
+            .is_some_and(|rest| rest.iter().any(|&b| b != 0))
+        {
             tracing::info!(segment = %path.display(), kept = at, dropped = bytes.len() - at, "journal replay: a torn tail was left out (no reply waited for it)");
         }
     }
@@ -900,23 +938,38 @@ mod tests {
         assert_intact(cut.path(), 100);
     }
 
+    /// The bytes of the valid records of the one segment in `dir`.
+    fn records_len(dir: &Path) -> usize {
+        let (generation, segment) = segments(dir).unwrap()[0].clone();
+        let bytes = std::fs::read(segment).unwrap();
+        let mut at = 0;
+        while let Some((_, len)) = decode(&bytes[at..], generation) {
+            at += len;
+        }
+        assert!(
+            bytes[at..].iter().all(|&b| b == 0),
+            "zeros follow the records"
+        );
+        at
+    }
+
     #[test]
     fn a_torn_tail_ends_the_replay_and_what_came_before_is_kept() {
         let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..20);
         journal.sync().unwrap();
-        let synced = segments(&dir.path().join(JOURNAL_DIR)).unwrap()[0]
-            .1
-            .clone();
-        let whole = std::fs::metadata(&synced).unwrap().len();
+        let whole = records_len(&dir.path().join(JOURNAL_DIR));
         insert(&conn, 20..40);
         journal.sync().unwrap();
-        // The second sync's records, torn: cut into the middle of them.
+        // The second sync's records, torn: zeros from the middle of them
+        // on (the file is longer than its records: zeros follow them).
         let cut = cut(dir.path(), None);
+        let len = records_len(&cut.path().join(JOURNAL_DIR));
         let (_, segment) = segments(&cut.path().join(JOURNAL_DIR)).unwrap()[0].clone();
-        let len = std::fs::metadata(&segment).unwrap().len();
         let file = OpenOptions::new().write(true).open(&segment).unwrap();
-        file.set_len(whole + (len - whole) / 2).unwrap();
+        let torn_at = whole + (len - whole) / 2;
+        file.write_all_at(&vec![0; len - torn_at], torn_at as u64)
+            .unwrap();
         drop(file);
         recover(cut.path()).unwrap();
         let kept = rows(cut.path());
