@@ -171,6 +171,9 @@ struct Segments {
     /// would wait, the oldest one's stragglers are synced in their own
     /// files and it goes.
     retiring: VecDeque<Segment>,
+    /// The records a sync takes from `pending`, kept (emptied) between
+    /// syncs so their buffers are reused.
+    taken: Pending,
 }
 
 /// Full segments kept while their WALs settle by themselves.
@@ -190,8 +193,6 @@ pub(crate) struct Journal {
     segments: Mutex<Segments>,
     /// Every WAL it has seen, by name.
     wals: Mutex<HashMap<Box<[u8]>, Arc<Wal>>>,
-    /// Spare buffers swapped with `pending` at each sync.
-    spare: Mutex<Pending>,
     registration: OnceLock<vfs::Registration>,
     /// Set by a failed sync (or [`Journal::fail`]): records are dropped
     /// and every later sync fails, so no checkpoint copies a WAL the
@@ -230,9 +231,9 @@ impl Journal {
             segments: Mutex::new(Segments {
                 current: segment,
                 retiring: VecDeque::new(),
+                taken: Pending::default(),
             }),
             wals: Mutex::new(HashMap::new()),
-            spare: Mutex::new(Pending::default()),
             registration: OnceLock::new(),
             failed: AtomicBool::new(false),
         });
@@ -349,24 +350,16 @@ impl Journal {
         if self.failed.load(Ordering::Acquire) {
             return Err(JournalError::Failed);
         }
-        let taken = {
-            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-            let mut pending = self.lock_pending();
-            std::mem::swap(&mut *pending, &mut *spare);
-            std::mem::take(&mut *spare)
-        };
+        let Segments { current, taken, .. } = &mut *segments;
+        // The emptied buffers of the last sync take the pending records'
+        // place.
+        std::mem::swap(&mut *self.lock_pending(), taken);
         if taken.entries.is_empty() {
             return Ok(());
         }
-        let result = segments.current.append(&taken);
-        // Hand the buffers back for reuse.
-        {
-            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-            let mut taken = taken;
-            taken.entries.clear();
-            taken.bytes.clear();
-            *spare = taken;
-        }
+        let result = current.append(taken);
+        taken.entries.clear();
+        taken.bytes.clear();
         if let Err(error) = result {
             self.fail();
             return Err(error);
