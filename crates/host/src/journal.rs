@@ -801,7 +801,12 @@ mod tests {
     /// mode at `synchronous=NORMAL` as the host runs it; checkpoints only
     /// when a test asks.
     fn open(journal: &Journal, dir: &Path) -> Connection {
-        let path = dir.join("objects/ab/object.sqlite");
+        open_object(journal, dir, "object")
+    }
+
+    /// Object file `objects/ab/<name>.sqlite` under `dir`, as [`open`].
+    fn open_object(journal: &Journal, dir: &Path, name: &str) -> Connection {
+        let path = dir.join(format!("objects/ab/{name}.sqlite"));
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         let conn = Connection::open_with_flags_and_vfs(
             &path,
@@ -1016,6 +1021,52 @@ mod tests {
         drop(journal);
         assert!(segments(&dir.path().join(JOURNAL_DIR)).unwrap().is_empty());
         assert_eq!(rows(dir.path()), (0..201).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_wal_deleted_by_its_close_settles_the_segment_waiting_for_it() {
+        let (dir, journal, conn) = journaled(64 << 10);
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        // Fill segments until a full one waits for this WAL to settle.
+        let mut n = 0;
+        while segments(&journal_dir).unwrap().len() == 1 {
+            insert(&conn, n..n + 10);
+            journal.sync().unwrap();
+            n += 10;
+        }
+        // The close checkpoints the WAL and SQLite deletes it.
+        drop(conn);
+        assert!(!dir.path().join("objects/ab/object.sqlite-wal").exists());
+        // Another object's next sync finds the waiting segment settled.
+        let other = open_object(&journal, dir.path(), "other");
+        insert(&other, 0..1);
+        journal.sync().unwrap();
+        let left = segments(&journal_dir).unwrap();
+        assert_eq!(left.len(), 1, "{left:?}");
+    }
+
+    #[test]
+    fn after_a_failure_no_sync_and_no_checkpoint_goes_through_and_the_segment_stays() {
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
+        insert(&conn, 0..20);
+        journal.sync().unwrap();
+        insert(&conn, 20..30);
+        journal.fail();
+        assert!(matches!(journal.sync(), Err(JournalError::Failed)));
+        // The checkpoint's WAL sync is the journal's: it fails, and the
+        // database file is not written.
+        let database = dir.path().join("objects/ab/object.sqlite");
+        let before = std::fs::read(&database).unwrap();
+        let checkpointed = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        assert!(checkpointed.is_err(), "{checkpointed:?}");
+        assert_eq!(std::fs::read(&database).unwrap(), before);
+        // What was synced stays for the next start's replay.
+        let _ = conn.close();
+        drop(journal);
+        let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
+        assert_eq!(left.len(), 1, "{left:?}");
+        recover(dir.path()).unwrap();
+        assert_intact(dir.path(), 30);
     }
 
     #[test]
