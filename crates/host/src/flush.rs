@@ -80,7 +80,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::HostError;
 use crate::index::AlarmIndex;
-use crate::journal::{JOURNAL_DIR, Journal};
+use crate::journal::{JOURNAL_DIR, Journal, JournalError, SEGMENT_LIMIT};
 
 /// How the flusher makes a batch of commits durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -103,6 +103,25 @@ pub enum FlushMethod {
     /// the WAL files before it opens any object. Default.
     #[default]
     Journal,
+}
+
+/// A [`FlushMethod`] as a running group commit holds it: the journal's
+/// method with its open journal.
+pub(crate) enum Flush {
+    WalFiles,
+    Syncfs,
+    Journal(Arc<Journal>),
+}
+
+impl Flush {
+    /// `method` for the host of `data_dir` (opening its journal).
+    pub(crate) fn open(method: FlushMethod, data_dir: &Path) -> Result<Flush, JournalError> {
+        Ok(match method {
+            FlushMethod::WalFiles => Flush::WalFiles,
+            FlushMethod::Syncfs => Flush::Syncfs,
+            FlushMethod::Journal => Flush::Journal(Journal::open(data_dir, SEGMENT_LIMIT)?),
+        })
+    }
 }
 
 /// How long a commit that nothing waits for may stay unsynced: the
@@ -325,7 +344,7 @@ impl Dirty {
 /// clone to number its commits.
 pub(crate) struct GroupCommit {
     data_dir: PathBuf,
-    method: FlushMethod,
+    flush: Flush,
     index: Arc<AlarmIndex>,
     dirty: Mutex<Dirty>,
     /// Wakes the flusher thread.
@@ -346,8 +365,6 @@ pub(crate) struct GroupCommit {
     /// One pass at a time; the pass holds the sync lanes.
     pass: Mutex<SyncLanes>,
     images: Option<Images>,
-    /// With [`FlushMethod::Journal`].
-    journal: Option<Arc<Journal>>,
     /// Replies that waited at a gate so far, and as of the last gathered
     /// pass (see [`GroupCommit::gather`]).
     gated: AtomicU64,
@@ -355,16 +372,14 @@ pub(crate) struct GroupCommit {
 }
 
 impl GroupCommit {
-    #[allow(clippy::too_many_arguments)] // each is a distinct setting of the host
     pub(crate) fn new(
         data_dir: &Path,
-        method: FlushMethod,
+        flush: Flush,
         index: Arc<AlarmIndex>,
         inline: bool,
         images: Option<(PathBuf, Arc<RwLock<()>>)>,
         delay: Duration,
         open_retry: Duration,
-        journal: Option<Arc<Journal>>,
     ) -> Arc<Self> {
         // Inline (paused-time tests) nothing waits on a timer; sync images
         // must hold exactly what was synced, so every pass takes all.
@@ -376,7 +391,6 @@ impl GroupCommit {
         let index_wal = WalFile::new(index.wal_path());
         Arc::new(GroupCommit {
             data_dir: data_dir.to_path_buf(),
-            method,
             index,
             dirty: Mutex::new(Dirty::default()),
             wake: Condvar::new(),
@@ -392,9 +406,9 @@ impl GroupCommit {
                 dir,
                 lock,
                 next: AtomicU64::new(1),
-                wal_files: journal.is_none(),
+                wal_files: !matches!(flush, Flush::Journal(_)),
             }),
-            journal,
+            flush,
             gated: AtomicU64::new(0),
             gated_before_pass: AtomicU64::new(0),
         })
@@ -403,7 +417,14 @@ impl GroupCommit {
     /// The SQLite VFS object connections must open their files with, if
     /// not the default.
     pub(crate) fn vfs(&self) -> Option<&str> {
-        self.journal.as_deref().map(Journal::vfs_name)
+        self.journal().map(|journal| journal.vfs_name())
+    }
+
+    fn journal(&self) -> Option<&Arc<Journal>> {
+        match &self.flush {
+            Flush::Journal(journal) => Some(journal),
+            Flush::WalFiles | Flush::Syncfs => None,
+        }
     }
 
     fn lock_dirty(&self) -> MutexGuard<'_, Dirty> {
@@ -556,7 +577,7 @@ impl GroupCommit {
             let files = self.take_due();
             // The journal's records are in memory until its sync: write
             // them first, so the image holds them.
-            let journaled = match &self.journal {
+            let journaled = match self.journal() {
                 Some(journal) => journal.sync().map_err(std::io::Error::other),
                 None => Ok(()),
             };
@@ -612,7 +633,7 @@ impl GroupCommit {
         let message: Arc<str> = format!("a sync of the data directory failed: {error}; replies waiting for it are never released (restart the host)").into();
         tracing::error!(%error, "group commit sync failed; no later reply is released");
         self.failed.store(true, Ordering::Release);
-        if let Some(journal) = &self.journal {
+        if let Some(journal) = self.journal() {
             // Nothing is synced any more: stop gathering records.
             journal.fail();
         }
@@ -676,12 +697,12 @@ impl GroupCommit {
     /// syncs).
     fn take_due(&self) -> Vec<DirtyFile> {
         let mut dirty = self.lock_dirty();
-        let all = dirty.stop || self.delay.is_zero() || self.method == FlushMethod::Syncfs;
+        let all = dirty.stop || self.delay.is_zero() || matches!(self.flush, Flush::Syncfs);
         if all {
             return dirty.files.drain().map(|(_, file)| file).collect();
         }
         let now = Instant::now();
-        if self.method == FlushMethod::Journal {
+        if self.journal().is_some() {
             // One journal sync covers every object's commits: take them
             // all. The index's own log, synced by itself, waits its delay.
             let index = self.index_wal.key();
@@ -758,33 +779,30 @@ impl GroupCommit {
 impl GroupCommit {
     /// Makes `files` durable with the host's method.
     fn sync(&self, files: &[DirtyFile], lanes: &mut SyncLanes) -> std::io::Result<Unopened> {
-        let own_sync = |file: &&DirtyFile| match &self.journal {
-            None => true,
-            // Not journaled: the index's log. A new WAL's directory entry
-            // (and with it the object file's, made just before) must be
-            // durable too; syncing the WAL with it costs one sync per
-            // object opened.
-            Some(_) => file.new_wal || Arc::ptr_eq(&file.wal, &self.index_wal),
+        let wal_files = |own: &dyn Fn(&DirtyFile) -> bool| -> Vec<(Arc<WalFile>, bool)> {
+            files
+                .iter()
+                .filter(|file| own(file))
+                .map(|file| (Arc::clone(&file.wal), file.new_wal))
+                .collect()
         };
-        let own: Vec<(Arc<WalFile>, bool)> = files
-            .iter()
-            .filter(own_sync)
-            .map(|file| (Arc::clone(&file.wal), file.new_wal))
-            .collect();
-        match (self.method, &self.journal) {
-            (FlushMethod::Syncfs, _) => syncfs(&self.data_dir),
-            (FlushMethod::Journal, Some(journal)) => {
+        match &self.flush {
+            Flush::Syncfs => syncfs(&self.data_dir),
+            Flush::WalFiles => lanes.sync(wal_files(&|_| true)),
+            Flush::Journal(journal) => {
                 journal.sync().map_err(std::io::Error::other)?;
+                // Not journaled: the index's log. A new WAL's directory
+                // entry (and with it the object file's, made just before)
+                // must be durable too; syncing the WAL with it costs one
+                // sync per object opened.
+                let own =
+                    wal_files(&|file| file.new_wal || Arc::ptr_eq(&file.wal, &self.index_wal));
                 if own.is_empty() {
                     Ok(Unopened::default())
                 } else {
                     lanes.sync(own)
                 }
             }
-            (FlushMethod::Journal, None) => Err(std::io::Error::other(
-                "the journal flush method has no journal",
-            )),
-            (FlushMethod::WalFiles, _) => lanes.sync(own),
         }
     }
 }
@@ -1097,7 +1115,7 @@ fn drive_thread(group: &GroupCommit) {
                     .0;
             }
         }
-        if group.method == FlushMethod::Journal {
+        if group.journal().is_some() {
             group.gather();
         }
         group.run_pass();
@@ -1154,13 +1172,12 @@ mod tests {
         let (index, _) = AlarmIndex::open(dir, Synchronous::Batched, None).unwrap();
         GroupCommit::new(
             dir,
-            method,
+            Flush::open(method, dir).unwrap(),
             Arc::new(index),
             false,
             None,
             delay,
             open_retry,
-            None,
         )
     }
 

@@ -17,10 +17,10 @@ use tokio::sync::{mpsc, oneshot};
 use crate::clock::Clock;
 use crate::context::ObjectContext;
 use crate::executor::{self, Constructor, ErasedObject, Job, Reply};
-use crate::flush::{self, FlushMethod, Flusher, GroupCommit};
+use crate::flush::{self, Flush, FlushMethod, Flusher, GroupCommit};
 use crate::id::{executor_of, object_id, object_path, validate_name};
 use crate::index::{AlarmIndex, IndexRebuild, IndexedAlarm};
-use crate::journal::{self, Journal, JournalError};
+use crate::journal::{self, JournalError};
 use crate::residency::{Residency, default_max_live_objects};
 use crate::work::WorkTracker;
 use crate::{BoxError, CallError, DurableObject, HostError};
@@ -378,9 +378,8 @@ impl HostBuilder {
         // what a journal of an earlier process holds goes back into the
         // WAL files, whatever this host's own mode.
         journal::recover(&self.data_dir).map_err(|e| journal_error(&self.data_dir, &e))?;
-        let journal = (self.synchronous == Synchronous::Batched
-            && self.flush_method == FlushMethod::Journal)
-            .then(|| Journal::open(&self.data_dir, journal::SEGMENT_LIMIT))
+        let flush = (self.synchronous == Synchronous::Batched)
+            .then(|| Flush::open(self.flush_method, &self.data_dir))
             .transpose()
             .map_err(|e| journal_error(&self.data_dir, &e))?;
         let (index, rebuild) = AlarmIndex::open(
@@ -393,16 +392,15 @@ impl HostBuilder {
             path: self.data_dir.join(crate::index::INDEX_FILE),
             source,
         })?;
-        let group = (self.synchronous == Synchronous::Batched).then(|| {
+        let group = flush.map(|method| {
             GroupCommit::new(
                 &self.data_dir,
-                self.flush_method,
+                method,
                 Arc::clone(&index),
                 threads == 0,
                 images,
                 flush::UNAWAITED_SYNC_DELAY,
                 self.open_retry_window,
-                journal,
             )
         });
         let flusher = group

@@ -811,7 +811,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::flush::{FlushMethod, Flusher, OPEN_RETRY_WINDOW};
+    use crate::flush::{Flush, Flusher, OPEN_RETRY_WINDOW};
     use crate::id::object_path;
 
     /// An index entry the file does not hold (a stale one: the alarm was
@@ -826,13 +826,12 @@ mod tests {
         let index = Arc::new(index);
         let group = GroupCommit::new(
             dir.path(),
-            FlushMethod::WalFiles,
+            Flush::WalFiles,
             Arc::clone(&index),
             false,
             None,
             Duration::from_secs(3600),
             OPEN_RETRY_WINDOW,
-            None,
         );
         let _flusher = Flusher::start(&group, dir.path()).unwrap();
         let id = ObjectId::new("0".repeat(64));
