@@ -525,8 +525,23 @@ impl Operations {
             timestamp: now,
         });
         if let (Some(permit), Some(attempt)) = (permit, claimed) {
-            // What the registration stored as the trace context is known:
-            // the attempt needs no read of it.
+            // What the registration stored is known: the row it inserted
+            // (nothing else writes a pending row of an id this instance
+            // reserved; a completion checks the generation and the attempt
+            // anyway) and the trace context, so the attempt reads neither.
+            let row = CallRow {
+                id: id.to_owned(),
+                operation: operation.to_owned(),
+                payload,
+                status: "pending".to_owned(),
+                result: None,
+                attempt,
+                next_attempt_at: now,
+                last_error: None,
+                last_error_name: None,
+                generation: generation.clone(),
+                created_at: now,
+            };
             let trace = Some(trace_context);
             inner.reserved.borrow_mut().insert(id.to_owned());
             let run = Rc::clone(inner);
@@ -539,10 +554,14 @@ impl Operations {
             };
             // Run in the caller's span, so the attempt links to the producer.
             let task = async move {
-                if let Err(error) = run
-                    .execute(&id, Some(permit), Some(claimed), trace, None, None)
-                    .await
-                {
+                let start = Start {
+                    eager_permit: Some(permit),
+                    claimed: Some(claimed),
+                    trace,
+                    ..Start::default()
+                };
+                run.release_claim(&id);
+                if let Err(error) = run.run_row(row, start).await {
                     tracing::error!(
                         event = "durability.background_execution.failed",
                         operation = %operation,
@@ -757,38 +776,64 @@ fn result_of<R: DeserializeOwned>(
     }
 }
 
+/// How an execution starts, beside the id it runs.
+#[derive(Default)]
+struct Start {
+    /// An eager start's permit; released on return when none starts.
+    eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The attempt already claimed for it (a claimed attempt stays counted
+    /// when none starts, as after a crash before its handler ran).
+    claimed: Option<Claimed>,
+    /// The trace context stored for this generation, when the caller knows
+    /// it (the eager start that registered it): the attempt skips reading
+    /// it.
+    trace: Option<Option<String>>,
+    /// Takes the next record of a due pass when this one completes.
+    successor: Option<Rc<dyn Successor>>,
+    /// The platform alarm that started the pass.
+    platform: Option<AlarmInfo>,
+}
+
 impl Inner {
     /// Runs the pending generation of `id` unless this instance already
-    /// runs it. `eager_permit` (an eager start's) and `claimed` (an attempt
-    /// already claimed for it) pass to the execution; when none starts, the
-    /// permit is released on return (a claimed attempt stays counted, as
-    /// after a crash before its handler ran). `trace`: the trace context
-    /// stored for this generation when the caller knows it (the eager
-    /// start that registered it), so the attempt skips reading it.
-    /// `successor` takes the next record of a due pass when this one
-    /// completes.
-    async fn execute(
-        self: &Rc<Self>,
-        id: &str,
-        eager_permit: Option<tokio::sync::OwnedSemaphorePermit>,
-        claimed: Option<Claimed>,
-        trace: Option<Option<String>>,
-        successor: Option<Rc<dyn Successor>>,
-        platform: Option<AlarmInfo>,
-    ) -> Result<(), DurabilityError> {
-        if claimed.is_some() {
-            // The claimer starts it now (no await until it is active). The
-            // claim marked it running for the timer; `start_execution`
-            // marks it again, with no await in between.
-            self.reserved.borrow_mut().remove(id);
-            self.engine.release_active(CALLS.name, id);
+    /// runs it, as `start` says.
+    async fn execute(self: &Rc<Self>, id: &str, start: Start) -> Result<(), DurabilityError> {
+        if start.claimed.is_some() {
+            self.release_claim(id);
         } else if self.reserved.borrow().contains(id) {
             // Claimed for another execution, which is about to start it.
+            return Ok(());
+        } else if self.engine.live_timers && self.active.borrow().contains_key(id) {
+            // Running here already (a due pass lists running records too):
+            // its settlement re-arms the timer. The pending row of an id
+            // running here is the running generation's (only a settled row
+            // can be purged and registered anew), so there is nothing to
+            // read.
             return Ok(());
         }
         let Some(row) = CallRow::read(self.engine.sql(), id)? else {
             return Ok(());
         };
+        self.run_row(row, start).await
+    }
+
+    /// The claimer of `id` starts it now (no await until it is active).
+    /// The claim marked it running for the timer; `start_execution` marks
+    /// it again, with no await in between.
+    fn release_claim(&self, id: &str) {
+        self.reserved.borrow_mut().remove(id);
+        self.engine.release_active(CALLS.name, id);
+    }
+
+    /// [`Inner::execute`] once the row is in hand.
+    async fn run_row(self: &Rc<Self>, row: CallRow, start: Start) -> Result<(), DurabilityError> {
+        let Start {
+            eager_permit,
+            claimed,
+            trace,
+            successor,
+            platform,
+        } = start;
         if row.status != "pending" {
             return Ok(());
         }
@@ -801,7 +846,7 @@ impl Inner {
         let running = self
             .active
             .borrow()
-            .get(id)
+            .get(&row.id)
             .filter(|active| active.generation == row.generation)
             .map(|active| active.settled());
         if let Some(settled) = running {
@@ -877,9 +922,13 @@ impl Inner {
                         taken: RefCell::new(None),
                     });
                     let successor: Rc<dyn Successor> = Rc::clone(&handoff) as Rc<dyn Successor>;
-                    let outcome = self
-                        .execute(&id, None, claimed, None, Some(successor), info)
-                        .await;
+                    let start = Start {
+                        claimed,
+                        successor: Some(successor),
+                        platform: info,
+                        ..Start::default()
+                    };
+                    let outcome = self.execute(&id, start).await;
                     results.push((id, outcome));
                     next = match handoff.taken.borrow_mut().take() {
                         Some(claimed) => Some((claimed.key.clone(), Some(claimed))),

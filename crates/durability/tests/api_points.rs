@@ -154,7 +154,13 @@ fn operation_handlers_tell_an_alarm_run_from_a_timer_run_and_an_eager_start() ->
 async fn a_payload_not_in_the_stored_format_fails_once_with_a_stored_error_saying_why() {
     support::on_harness(|h| async move {
         let ctx = h.context();
-        let scheduler = Scheduler::new(Rc::clone(&ctx)).unwrap();
+        // One permit, held by a slow operation: the rows below are not
+        // started eagerly (an eager attempt runs the payload it was given),
+        // so the timer's pass reads each of them as stored.
+        let scheduler = Scheduler::builder(Rc::clone(&ctx))
+            .alarm_concurrency(1)
+            .build()
+            .unwrap();
         h.install(&scheduler);
         let ran = Rc::new(RefCell::new(0_u32));
         let counted = Rc::clone(&ran);
@@ -166,11 +172,16 @@ async fn a_payload_not_in_the_stored_format_fails_once_with_a_stored_error_sayin
                     Ok::<_, HandlerError>(())
                 }
             })
+            .handler("hold", |_call: DurableCall<()>| async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, HandlerError>(())
+            })
             .build()
             .unwrap();
+        operations.start("hold", "hold", &()).await.unwrap();
         for (id, stored) in [("bare", "null"), ("typed", r#"{"kind":"value","value":"x"}"#)] {
             operations.start("charge", id, &1_u64).await.unwrap();
-            // Before the eager attempt reads it: what a hand-written row holds.
+            // Before an attempt reads it: what a hand-written row holds.
             ctx.storage()
                 .execute(
                     "UPDATE durability_calls SET payload = ?1 WHERE id = ?2",
