@@ -914,6 +914,51 @@ mod tests {
     }
 
     #[test]
+    fn every_commit_is_whole_in_its_wal_file_when_it_returns() {
+        // The shim holds a commit's frames back and writes them at once:
+        // another connection (the default VFS, reading the files) sees
+        // each commit as soon as it returned, the largest as well as the
+        // smallest, and nothing of a transaction still open.
+        let (dir, _journal, conn) = journaled(SEGMENT_LIMIT);
+        let reader = Connection::open(dir.path().join("objects/ab/object.sqlite")).unwrap();
+        let count = |reader: &Connection| -> i64 {
+            reader
+                .query_row("SELECT COUNT(*) FROM rows", [], |row| row.get(0))
+                .unwrap()
+        };
+        insert(&conn, 0..3);
+        assert_eq!(count(&reader), 3);
+        conn.execute_batch("BEGIN").unwrap();
+        // About 1.2 MB in one commit: several times what the shim holds
+        // and what one platform write takes.
+        for n in 3..4_003 {
+            conn.execute(
+                "INSERT INTO rows (n, body) VALUES (?1, ?2)",
+                rusqlite::params![n, "y".repeat(300)],
+            )
+            .unwrap();
+        }
+        assert_eq!(count(&reader), 3, "an open transaction is not visible");
+        conn.execute_batch("COMMIT").unwrap();
+        assert_eq!(count(&reader), 4_003);
+        insert(&conn, 4_003..4_004);
+        assert_eq!(count(&reader), 4_004);
+    }
+
+    #[test]
+    fn a_commit_larger_than_one_write_comes_back_whole_from_the_journal() {
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
+        insert(&conn, 0..10);
+        conn.execute_batch("BEGIN").unwrap();
+        insert(&conn, 10..3_010);
+        conn.execute_batch("COMMIT").unwrap();
+        journal.sync().unwrap();
+        let cut = cut(dir.path(), None);
+        recover(cut.path()).unwrap();
+        assert_intact(cut.path(), 3_010);
+    }
+
+    #[test]
     fn a_replay_after_a_checkpoint_never_puts_an_older_wal_over_the_database() {
         let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..40);

@@ -7,6 +7,15 @@
 //! allocates `szOsFile` bytes per open file, here a [`ShimFile`] followed
 //! by the platform's file, and every method but `xWrite`, `xTruncate`,
 //! `xSync` and `xClose` goes straight to the platform's.
+//!
+//! A commit's frames reach a WAL file as one write: SQLite writes each
+//! frame as two (its 24-byte header, then its page), so a commit of two
+//! pages cost four `pwrite`s. The shim gathers the writes that follow one
+//! another and hands them to the platform's file, and to the journal, once
+//! the commit frame's page is in (its header carries the database size,
+//! which only a commit frame does), or before anything else touches the
+//! file. A commit that returned has therefore written all of it, as before;
+//! and the journal holds no record of bytes the file was not given.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::{Arc, Weak};
@@ -34,7 +43,30 @@ struct ShimFile {
 struct WalLog {
     journal: Arc<Journal>,
     wal: Arc<Wal>,
+    /// Writes held back until their commit ends (see the module docs).
+    held: Held,
 }
+
+/// Contiguous writes of one WAL not yet handed to its file.
+#[derive(Default)]
+struct Held {
+    /// Where `bytes` start in the file.
+    offset: u64,
+    bytes: Vec<u8>,
+    /// The last write was a commit frame's header: its page ends the commit.
+    commit_next: bool,
+}
+
+/// A WAL frame's header (SQLite's `WAL_FRAME_HDRSIZE`); no other write to
+/// a WAL has this size (its own header is 32 bytes, pages at least 512).
+const FRAME_HEADER: usize = 24;
+
+/// Held writes beyond this are written at once, commit or not: a large
+/// transaction does not hold its whole WAL growth in memory.
+const HOLD_AT_MOST: usize = 256 << 10;
+
+/// The most bytes one write hands to the platform's file.
+const WRITE_AT_MOST: usize = 64 << 10;
 
 /// Where the platform's file starts, aligned for any of its fields.
 const REAL_OFFSET: usize = std::mem::size_of::<ShimFile>().next_multiple_of(16);
@@ -163,7 +195,11 @@ unsafe extern "C" fn shim_open(
         };
         let wal = data.journal.upgrade().and_then(|journal| {
             let wal = journal.wal(path?)?;
-            Some(WalLog { journal, wal })
+            Some(WalLog {
+                journal,
+                wal,
+                held: Held::default(),
+            })
         });
         match wal {
             Some(wal) => {
@@ -220,8 +256,82 @@ unsafe fn wal_of<'a>(file: *mut ffi::sqlite3_file) -> Option<&'a WalLog> {
     unsafe { (*file.cast::<ShimFile>()).wal.as_ref() }
 }
 
+/// The journaled WAL of a shim file, for a method that changes what it
+/// holds back. SQLite calls one file's methods from one thread at a time.
+///
+/// # Safety
+/// As for [`wal_of`], and no other reference to the file's `WalLog` may
+/// be alive.
+unsafe fn wal_of_mut<'a>(file: *mut ffi::sqlite3_file) -> Option<&'a mut WalLog> {
+    // SAFETY: per the contract.
+    unsafe { (*file.cast::<ShimFile>()).wal.as_mut() }
+}
+
+/// Hands the held writes of `file` to its platform file, then to the
+/// journal. Every method but `xWrite` calls this first, so that the file
+/// is whole whenever anything looks at it.
+///
+/// # Safety
+/// `file` must be a shim file opened by [`shim_open`].
+unsafe fn release(file: *mut ffi::sqlite3_file) -> c_int {
+    // SAFETY: per the contract; the reference ends with this function.
+    let Some(wal) = (unsafe { wal_of_mut(file) }) else {
+        return ffi::SQLITE_OK;
+    };
+    let held = &mut wal.held;
+    held.commit_next = false;
+    if held.bytes.is_empty() {
+        return ffi::SQLITE_OK;
+    }
+    // The platform's `xWrite` takes at most 128 KiB less one byte at a
+    // time (`unix` masks larger counts and reports a full disk).
+    let mut rc = ffi::SQLITE_OK;
+    let mut offset = held.offset;
+    for chunk in held.bytes.chunks(WRITE_AT_MOST) {
+        let (Ok(amount), Ok(at)) = (c_int::try_from(chunk.len()), i64::try_from(offset)) else {
+            rc = ffi::SQLITE_IOERR_WRITE;
+            break;
+        };
+        rc = forward!(file, xWrite, chunk.as_ptr().cast(), amount, at);
+        if rc != ffi::SQLITE_OK {
+            break;
+        }
+        offset += chunk.len() as u64;
+    }
+    if rc == ffi::SQLITE_OK {
+        wal.journal.wrote(&wal.wal, held.offset, &held.bytes);
+    }
+    // Written or failed, the bytes are SQLite's to write again: a failed
+    // write fails the commit, which writes its frames anew.
+    held.bytes.clear();
+    if held.bytes.capacity() > HOLD_AT_MOST {
+        held.bytes.shrink_to(HOLD_AT_MOST);
+    }
+    rc
+}
+
+/// Runs `$body` once the held writes of `$file` are written; a failure to
+/// write them is the method's error.
+macro_rules! released {
+    ($file:expr, $body:expr) => {{
+        // SAFETY: SQLite hands us files our xOpen opened.
+        match unsafe { release($file) } {
+            ffi::SQLITE_OK => $body,
+            rc => rc,
+        }
+    }};
+}
+
 unsafe extern "C" fn shim_close(file: *mut ffi::sqlite3_file) -> c_int {
+    // A failed write of held bytes is reported; the file closes anyway.
+    // SAFETY: opened by shim_open.
+    let released = unsafe { release(file) };
     let rc = forward!(file, xClose);
+    let rc = if released == ffi::SQLITE_OK {
+        rc
+    } else {
+        released
+    };
     // SAFETY: opened by shim_open; SQLite closes a file once.
     unsafe {
         (*file.cast::<ShimFile>()).wal = None;
@@ -235,7 +345,7 @@ unsafe extern "C" fn shim_read(
     amount: c_int,
     offset: ffi::sqlite3_int64,
 ) -> c_int {
-    forward!(file, xRead, buf, amount, offset)
+    released!(file, forward!(file, xRead, buf, amount, offset))
 }
 
 unsafe extern "C" fn shim_write(
@@ -244,28 +354,56 @@ unsafe extern "C" fn shim_write(
     amount: c_int,
     offset: ffi::sqlite3_int64,
 ) -> c_int {
-    let rc = forward!(file, xWrite, buf, amount, offset);
-    // SAFETY: opened by shim_open.
-    if rc == ffi::SQLITE_OK
-        && let Some(wal) = unsafe { wal_of(file) }
-    {
-        let len = usize::try_from(amount).unwrap_or(0);
-        let bytes = if len == 0 || buf.is_null() {
-            &[][..]
-        } else {
-            // SAFETY: SQLite passes `amount` readable bytes at `buf`.
-            unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
-        };
-        wal.journal.wrote(&wal.wal, offset as u64, bytes);
+    let len = usize::try_from(amount).unwrap_or(0);
+    let Ok(start) = u64::try_from(offset) else {
+        return ffi::SQLITE_IOERR_WRITE;
+    };
+    // SAFETY: opened by shim_open; the reference ends in this block.
+    let follows = match unsafe { wal_of_mut(file) } {
+        None => return forward!(file, xWrite, buf, amount, offset),
+        Some(wal) => {
+            let held = &wal.held;
+            held.bytes.is_empty() || held.offset + held.bytes.len() as u64 == start
+        }
+    };
+    if !follows {
+        // SAFETY: opened by shim_open; no reference to its WalLog lives.
+        let rc = unsafe { release(file) };
+        if rc != ffi::SQLITE_OK {
+            return rc;
+        }
     }
-    rc
+    // SAFETY: as above; `release` is done with its reference.
+    let Some(wal) = (unsafe { wal_of_mut(file) }) else {
+        return ffi::SQLITE_IOERR_WRITE;
+    };
+    let bytes = if len == 0 || buf.is_null() {
+        &[][..]
+    } else {
+        // SAFETY: SQLite passes `amount` readable bytes at `buf`.
+        unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
+    };
+    let held = &mut wal.held;
+    let ends_commit = held.commit_next;
+    if held.bytes.is_empty() {
+        held.offset = start;
+    }
+    held.bytes.extend_from_slice(bytes);
+    // A frame header's bytes 4..8 hold the database size after a commit
+    // frame, and zero in any other frame.
+    held.commit_next = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
+    if ends_commit || held.bytes.len() > HOLD_AT_MOST {
+        // SAFETY: opened by shim_open; `held` is not used past here.
+        return unsafe { release(file) };
+    }
+    ffi::SQLITE_OK
 }
 
 unsafe extern "C" fn shim_truncate(
     file: *mut ffi::sqlite3_file,
     size: ffi::sqlite3_int64,
 ) -> c_int {
-    let rc = forward!(file, xTruncate, size);
+    let rc = released!(file, forward!(file, xTruncate, size));
     // SAFETY: opened by shim_open.
     if rc == ffi::SQLITE_OK
         && let Some(wal) = unsafe { wal_of(file) }
@@ -281,6 +419,11 @@ unsafe extern "C" fn shim_truncate(
 /// bring back a shorter WAL over a database that already holds more. The
 /// journal's sync is the WAL's: the file itself is left to the page cache.
 unsafe extern "C" fn shim_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+    // SAFETY: opened by shim_open.
+    let rc = unsafe { release(file) };
+    if rc != ffi::SQLITE_OK {
+        return rc;
+    }
     // SAFETY: opened by shim_open.
     match unsafe { wal_of(file) } {
         Some(wal) => match wal.journal.sync() {
@@ -298,7 +441,7 @@ unsafe extern "C" fn shim_file_size(
     file: *mut ffi::sqlite3_file,
     size: *mut ffi::sqlite3_int64,
 ) -> c_int {
-    forward!(file, xFileSize, size)
+    released!(file, forward!(file, xFileSize, size))
 }
 
 unsafe extern "C" fn shim_lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
@@ -321,7 +464,7 @@ unsafe extern "C" fn shim_file_control(
     op: c_int,
     arg: *mut c_void,
 ) -> c_int {
-    forward!(file, xFileControl, op, arg)
+    released!(file, forward!(file, xFileControl, op, arg))
 }
 
 unsafe extern "C" fn shim_sector_size(file: *mut ffi::sqlite3_file) -> c_int {
@@ -379,7 +522,7 @@ unsafe extern "C" fn shim_fetch(
     amount: c_int,
     out: *mut *mut c_void,
 ) -> c_int {
-    forward!(file, xFetch, offset, amount, out)
+    released!(file, forward!(file, xFetch, offset, amount, out))
 }
 
 unsafe extern "C" fn shim_unfetch(
