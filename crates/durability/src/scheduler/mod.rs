@@ -453,17 +453,12 @@ impl Engine {
     pub(crate) fn new_generation(&self) -> String {
         let mut b = [0u8; 16];
         self.ctx.random_bytes(&mut b);
-        b[6] = (b[6] & 0x0f) | 0x40;
-        b[8] = (b[8] & 0x3f) | 0x80;
-        let hex: String = b.iter().map(|byte| format!("{byte:02x}")).collect();
-        format!(
-            "{}-{}-{}-{}-{}",
-            &hex[0..8],
-            &hex[8..12],
-            &hex[12..16],
-            &hex[16..20],
-            &hex[20..32]
-        )
+        let mut text = [0u8; uuid::fmt::Hyphenated::LENGTH];
+        uuid::Builder::from_random_bytes(b)
+            .into_uuid()
+            .hyphenated()
+            .encode_lower(&mut text)
+            .to_owned()
     }
 
     /// Attaches `participant` to this scheduler, held weakly: a capability
@@ -701,7 +696,10 @@ impl Engine {
 
     /// Adds the rows changed since `before` to the alarm's own writes.
     fn count_alarm_changes(&self, before: Option<i64>) {
-        if let (Some(before), Some(after)) = (before, self.total_changes()) {
+        // Counted only when `before` was (not on the eager path).
+        if let Some(before) = before
+            && let Some(after) = self.total_changes()
+        {
             self.alarm_changes.set(
                 self.alarm_changes
                     .get()
