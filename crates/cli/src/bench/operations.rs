@@ -19,12 +19,13 @@
 
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use durability::lifecycle::{LifecycleEvent, LifecycleHook, Outcome};
 use durability::{DurableCall, HandlerError, Operations, Scheduler};
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 
 use super::host_calls::{count, drive};
 use super::modes::MODES;
@@ -38,8 +39,38 @@ pub const NAME: &str = "operations";
 /// Registrations in flight at once.
 const CALLERS: usize = 64;
 
-/// How long the run waits for the last completion before it gives up.
+/// How long the run waits for the next completion before it gives up.
 const COMPLETION_WAIT: Duration = Duration::from_secs(300);
+
+/// How often the progress bar shows the completions so far.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// Completions committed so far, counted by the objects' lifecycle hooks.
+/// The waiter is woken once, when the count reaches its target: a
+/// message per completion would wake the bench's own thread once per
+/// operation and charge that to the host.
+#[derive(Default)]
+struct Completions {
+    count: AtomicU64,
+    target: AtomicU64,
+    reached: Notify,
+}
+
+impl Completions {
+    fn completed(&self) {
+        let count = self.count.fetch_add(1, Ordering::AcqRel) + 1;
+        if count == self.target.load(Ordering::Acquire) {
+            self.reached.notify_one();
+        }
+    }
+
+    /// Expects `n` more completions; returns the count that ends them.
+    fn expect(&self, n: u64) -> (u64, u64) {
+        let start = self.count.load(Ordering::Acquire);
+        self.target.store(start + n, Ordering::Release);
+        (start, start + n)
+    }
+}
 
 /// An object with a scheduler and one no-op operation.
 struct OpsObject {
@@ -48,7 +79,7 @@ struct OpsObject {
 }
 
 impl OpsObject {
-    fn construct(ctx: ObjectContext, done: mpsc::UnboundedSender<()>) -> Result<Self, BoxError> {
+    fn construct(ctx: ObjectContext, done: Arc<Completions>) -> Result<Self, BoxError> {
         let scheduler = Scheduler::new(ctx.into_dyn())?;
         let hook: LifecycleHook = Rc::new(move |event: &LifecycleEvent| {
             if let LifecycleEvent::AttemptSettled {
@@ -56,7 +87,7 @@ impl OpsObject {
                 ..
             } = event
             {
-                let _ = done.send(());
+                done.completed();
             }
             None
         });
@@ -110,15 +141,16 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             ] {
                 let dir = env.subdir(&format!("operations-{}-{placement}", mode.key))?;
                 let host = mode.builder(&dir).threads(threads).build()?;
-                let (done_tx, done_rx) = mpsc::unbounded_channel();
+                let done = Arc::new(Completions::default());
+                let hooks = Arc::clone(&done);
                 let ns = host.namespace::<OpsObject>("ops", move |ctx| {
-                    OpsObject::construct(ctx, done_tx.clone())
+                    OpsObject::construct(ctx, Arc::clone(&hooks))
                 })?;
                 let stubs: Vec<Stub<OpsObject>> = (0..objects)
                     .map(|i| ns.stub(&format!("ops-{i}")))
                     .collect::<Result<_, _>>()?;
                 let label = format!("{}/{placement}", mode.key);
-                let measured = measure(env, &label, stubs, done_rx, &floor).await;
+                let measured = measure(env, &label, stubs, &done, &floor).await;
                 host.shutdown().await;
                 report.measurements.extend(measured?);
             }
@@ -134,7 +166,7 @@ async fn measure(
     env: &BenchEnv,
     label: &str,
     stubs: Vec<Stub<OpsObject>>,
-    mut done: mpsc::UnboundedReceiver<()>,
+    done: &Completions,
     floor: &Measurement,
 ) -> Result<Vec<Measurement>, BenchError> {
     // Construct every object first, so the figures are steady state.
@@ -146,6 +178,7 @@ async fn measure(
     let mut measured = Vec::new();
     for (callers, total) in [(1, env.size(2_000, 100)), (CALLERS, env.size(20_000, 500))] {
         let name = format!("{label}/{callers}-callers");
+        let expected = done.expect(total);
         let cpu_before = rss::cpu_time();
         let started = Instant::now();
         let calls = Arc::clone(&stubs);
@@ -159,7 +192,7 @@ async fn measure(
             move |i| register(Arc::clone(&calls), format!("{prefix}{i}"), i),
         )
         .await?;
-        wait_for_completions(env, &format!("{name}/complete"), total, &mut done).await?;
+        wait_for_completions(env, &format!("{name}/complete"), expected, done).await?;
         let cpu = cpu_before.zip(rss::cpu_time());
         let mut end_to_end = Measurement {
             name,
@@ -213,22 +246,32 @@ async fn register(stubs: Arc<Vec<Stub<OpsObject>>>, id: String, i: u64) -> Resul
     .map_err(|message| BenchError::Task { message })
 }
 
-/// Waits for `n` committed completions.
+/// Waits until the completions reach `end` (from `start`).
 async fn wait_for_completions(
     env: &BenchEnv,
     phase: &str,
-    n: u64,
-    done: &mut mpsc::UnboundedReceiver<()>,
+    (start, end): (u64, u64),
+    done: &Completions,
 ) -> Result<(), BenchError> {
-    let bar = env.progress(phase, n);
-    for completed in 0..n {
-        match tokio::time::timeout(COMPLETION_WAIT, done.recv()).await {
-            Ok(Some(())) => bar.inc(1),
-            _ => {
-                return Err(BenchError::Task {
-                    message: format!("only {completed} of {n} operations completed"),
-                });
-            }
+    let bar = env.progress(phase, end - start);
+    let mut seen = done.count.load(Ordering::Acquire);
+    let mut last_progress = Instant::now();
+    while seen < end {
+        // Woken at the target, or looking every PROGRESS_EVERY.
+        let _ = tokio::time::timeout(PROGRESS_EVERY, done.reached.notified()).await;
+        let now = done.count.load(Ordering::Acquire);
+        if now > seen {
+            bar.inc(now - seen);
+            seen = now;
+            last_progress = Instant::now();
+        } else if last_progress.elapsed() > COMPLETION_WAIT {
+            return Err(BenchError::Task {
+                message: format!(
+                    "only {} of {} operations completed",
+                    seen - start,
+                    end - start
+                ),
+            });
         }
     }
     bar.finish_and_clear();
