@@ -56,6 +56,10 @@ pub(crate) const JOURNAL_DIR: &str = "journal";
 /// records, when a small pass reaches its end.
 const ZERO_CHUNK: u64 = 1 << 20;
 
+/// What a segment grows by, written from here rather than allocated on
+/// every growth.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
 /// Passes of at least this many bytes grow the segment without zeros.
 ///
 /// Measured on `bench operations` (default mode, 64 callers, 100
@@ -523,11 +527,15 @@ impl Segment {
             // size (measured here: 20 KB and an fdatasync, p50 110 us
             // against 270 us appended).
             let target = end.next_multiple_of(ZERO_CHUNK);
-            let zeros = vec![0u8; usize::try_from(target - self.allocated).unwrap_or(0)];
-            self.file
-                .write_all_at(&zeros, self.allocated)
-                .map_err(io(&self.path))?;
-            self.allocated = target;
+            while self.allocated < target {
+                let n = usize::try_from(target - self.allocated)
+                    .unwrap_or(ZEROS.len())
+                    .min(ZEROS.len());
+                self.file
+                    .write_all_at(&ZEROS[..n], self.allocated)
+                    .map_err(io(&self.path))?;
+                self.allocated += n as u64;
+            }
         }
         // At its length, not appended: a write that failed halfway is
         // overwritten by the next.
