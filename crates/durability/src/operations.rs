@@ -352,8 +352,19 @@ struct Inner {
 }
 
 /// The columns every read of one call row selects, in this order.
-const CALL_COLUMNS: &str = "id, operation, payload, status, result, attempt, next_attempt_at, \
-     last_error, last_error_name, generation_id, created_at";
+macro_rules! call_columns {
+    () => {
+        "id, operation, payload, status, result, attempt, next_attempt_at, \
+         last_error, last_error_name, generation_id, created_at"
+    };
+}
+
+/// Reads one call row by id.
+const READ_CALL: &str = concat!(
+    "SELECT ",
+    call_columns!(),
+    " FROM durability_calls WHERE id = ?"
+);
 
 struct CallRow {
     id: String,
@@ -371,8 +382,7 @@ struct CallRow {
 
 impl CallRow {
     fn read(sql: &dyn Sql, id: &str) -> Result<Option<CallRow>, DurabilityError> {
-        let query = format!("SELECT {CALL_COLUMNS} FROM durability_calls WHERE id = ?");
-        match sql.query_row(&query, &params![id])? {
+        match sql.query_row(READ_CALL, &params![id])? {
             None => Ok(None),
             Some(row) => CallRow::decode(&row, id).map(Some),
         }

@@ -27,6 +27,7 @@ mod signal;
 
 pub use signal::AbortSignal;
 
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -614,16 +615,12 @@ impl Engine {
         // only start a pass that waits for it and then commits an extra
         // reconcile: one more commit per eager start, measured.
         let limit = active.map_or(0, HashSet::len) + 1;
-        // Covered by the table's (status, next_attempt_at) index.
-        let query = format!(
-            "SELECT {key} AS pk, next_attempt_at FROM {name} \
-             WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?",
-            key = table.key,
-            name = table.name,
-        );
         // -1 is SQLite's "no limit"; a larger integer would not bind on every
         // platform (JavaScript numbers stop at 2^53).
-        let rows = sql.query(&query, &params![i64::try_from(limit).unwrap_or(-1)])?;
+        let rows = sql.query(
+            &pending_query(table),
+            &params![i64::try_from(limit).unwrap_or(-1)],
+        )?;
         let mut physical = None;
         let mut timer = None;
         for (index, row) in rows.iter().enumerate() {
@@ -1114,6 +1111,35 @@ fn serialize_failure(failure: &DurabilityError) -> SerializedError {
         _ => "DurabilityError",
     };
     SerializedError::new(name, failure.to_string())
+}
+
+/// The earliest pending rows of `table`, first `?` of them, with their
+/// keys as `pk`; covered by the table's (status, next_attempt_at) index.
+/// The built-in tables' text is written out: it runs in every
+/// transaction that reconciles.
+fn pending_query(table: DurableTable) -> Cow<'static, str> {
+    macro_rules! pending {
+        ($key:literal, $name:literal) => {
+            concat!(
+                "SELECT ",
+                $key,
+                " AS pk, next_attempt_at FROM ",
+                $name,
+                " WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
+            )
+        };
+    }
+    Cow::Borrowed(match table {
+        DurableTable::OPERATIONS => pending!("id", "durability_calls"),
+        DurableTable::NAMED_ALARMS => pending!("name", "durability_alarms"),
+        DurableTable::FANOUT_DELIVERIES => pending!("id", "durability_fanout_deliveries"),
+        DurableTable { name, key } => {
+            return Cow::Owned(format!(
+                "SELECT {key} AS pk, next_attempt_at FROM {name} \
+                 WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
+            ));
+        }
+    })
 }
 
 fn min_time(a: Option<EpochMs>, b: Option<EpochMs>) -> Option<EpochMs> {
