@@ -954,6 +954,51 @@ mod tests {
     }
 
     #[test]
+    fn a_commit_that_spilled_and_rewrote_its_frames_survives_a_kill_and_a_power_cut() {
+        // A transaction larger than the page cache writes pages to the WAL
+        // before its commit, writes some of them again in place, and then
+        // rewrites the checksums of every frame after the first rewritten
+        // one, after its commit frame. Those writes must reach the file
+        // (what a killed process leaves) and the journal (what a power cut
+        // leaves) before the commit returns, or the log's checksum chain
+        // breaks and recovery drops the commit.
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
+        conn.execute_batch("PRAGMA cache_size = 10;").unwrap();
+        insert(&conn, 0..10);
+        conn.execute_batch("BEGIN").unwrap();
+        insert(&conn, 10..2_010);
+        for n in (0..2_010).step_by(7) {
+            conn.execute(
+                "UPDATE rows SET body = ?2 WHERE n = ?1",
+                rusqlite::params![n, "z".repeat(300)],
+            )
+            .unwrap();
+        }
+        conn.execute_batch("COMMIT").unwrap();
+        // Killed now: the files as they are.
+        let killed = tempfile::tempdir().unwrap();
+        let objects = killed.path().join("objects/ab");
+        std::fs::create_dir_all(&objects).unwrap();
+        for file in ["object.sqlite", "object.sqlite-wal"] {
+            std::fs::copy(dir.path().join("objects/ab").join(file), objects.join(file)).unwrap();
+        }
+        assert_intact(killed.path(), 2_010);
+        let changed: i64 = Connection::open(objects.join("object.sqlite"))
+            .unwrap()
+            .query_row(
+                "SELECT COUNT(*) FROM rows WHERE body LIKE 'z%'",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert_eq!(changed, 288);
+        journal.sync().unwrap();
+        let cut = cut(dir.path(), None);
+        recover(cut.path()).unwrap();
+        assert_intact(cut.path(), 2_010);
+    }
+
+    #[test]
     fn a_commit_larger_than_one_write_comes_back_whole_from_the_journal() {
         let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
         insert(&conn, 0..10);

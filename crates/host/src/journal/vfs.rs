@@ -10,12 +10,15 @@
 //!
 //! A commit's frames reach a WAL file as one write: SQLite writes each
 //! frame as two (its 24-byte header, then its page), so a commit of two
-//! pages cost four `pwrite`s. The shim gathers the writes that follow one
-//! another and hands them to the platform's file, and to the journal, once
-//! the commit frame's page is in (its header carries the database size,
-//! which only a commit frame does), or before anything else touches the
-//! file. A commit that returned has therefore written all of it, as before;
-//! and the journal holds no record of bytes the file was not given.
+//! pages cost four `pwrite`s. The shim holds the writes that append to the
+//! log and hands them to the platform's file, and to the journal, once the
+//! commit frame's page is in (its header carries the database size, which
+//! only a commit frame does), or before anything else touches the file.
+//! A write anywhere but the log's end (a spilled page written again in
+//! place, the checksums SQLite rewrites after such a commit's last frame)
+//! goes through at once, after what is held. A commit that returned has
+//! therefore written all of it, as before; and the journal holds no record
+//! of bytes the file was not given.
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::sync::{Arc, Weak};
@@ -55,6 +58,9 @@ struct Held {
     bytes: Vec<u8>,
     /// The last write was a commit frame's header: its page ends the commit.
     commit_next: bool,
+    /// The end of the log as written (or held) so far: only writes there,
+    /// which append frames, are held. `None` until the first write.
+    end: Option<u64>,
 }
 
 /// A WAL frame's header (SQLite's `WAL_FRAME_HDRSIZE`); no other write to
@@ -359,23 +365,16 @@ unsafe extern "C" fn shim_write(
         return ffi::SQLITE_IOERR_WRITE;
     };
     // SAFETY: opened by shim_open; the reference ends in this block.
-    let follows = match unsafe { wal_of_mut(file) } {
+    let appends = match unsafe { wal_of_mut(file) } {
         None => return forward!(file, xWrite, buf, amount, offset),
         Some(wal) => {
-            let held = &wal.held;
-            held.bytes.is_empty() || held.offset + held.bytes.len() as u64 == start
+            let held = &mut wal.held;
+            if start == 0 {
+                // A new WAL header: the log starts over.
+                held.end = Some(0);
+            }
+            held.end.is_none_or(|end| end == start)
         }
-    };
-    if !follows {
-        // SAFETY: opened by shim_open; no reference to its WalLog lives.
-        let rc = unsafe { release(file) };
-        if rc != ffi::SQLITE_OK {
-            return rc;
-        }
-    }
-    // SAFETY: as above; `release` is done with its reference.
-    let Some(wal) = (unsafe { wal_of_mut(file) }) else {
-        return ffi::SQLITE_IOERR_WRITE;
     };
     let bytes = if len == 0 || buf.is_null() {
         &[][..]
@@ -383,12 +382,35 @@ unsafe extern "C" fn shim_write(
         // SAFETY: SQLite passes `amount` readable bytes at `buf`.
         unsafe { std::slice::from_raw_parts(buf.cast::<u8>(), len) }
     };
+    if !appends {
+        // Written again in place: what is held goes first, then this.
+        // SAFETY: opened by shim_open; no reference to its WalLog lives.
+        let rc = unsafe { release(file) };
+        if rc != ffi::SQLITE_OK {
+            return rc;
+        }
+        let rc = forward!(file, xWrite, buf, amount, offset);
+        // SAFETY: as above; `release` is done with its reference.
+        if rc == ffi::SQLITE_OK
+            && let Some(wal) = unsafe { wal_of_mut(file) }
+        {
+            wal.journal.wrote(&wal.wal, start, bytes);
+            let end = start + bytes.len() as u64;
+            wal.held.end = Some(wal.held.end.map_or(end, |known| known.max(end)));
+        }
+        return rc;
+    }
+    // SAFETY: as above.
+    let Some(wal) = (unsafe { wal_of_mut(file) }) else {
+        return ffi::SQLITE_IOERR_WRITE;
+    };
     let held = &mut wal.held;
     let ends_commit = held.commit_next;
     if held.bytes.is_empty() {
         held.offset = start;
     }
     held.bytes.extend_from_slice(bytes);
+    held.end = Some(start + bytes.len() as u64);
     // A frame header's bytes 4..8 hold the database size after a commit
     // frame, and zero in any other frame.
     held.commit_next = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
@@ -404,6 +426,11 @@ unsafe extern "C" fn shim_truncate(
     size: ffi::sqlite3_int64,
 ) -> c_int {
     let rc = released!(file, forward!(file, xTruncate, size));
+    // SAFETY: opened by shim_open; `release` is done with its reference.
+    if let Some(wal) = unsafe { wal_of_mut(file) } {
+        // The next write says where the log goes on.
+        wal.held.end = None;
+    }
     // SAFETY: opened by shim_open.
     if rc == ffi::SQLITE_OK
         && let Some(wal) = unsafe { wal_of(file) }
