@@ -351,20 +351,11 @@ struct Inner {
     reserved: RefCell<HashSet<String>>,
 }
 
-/// The columns every read of one call row selects, in this order.
-macro_rules! call_columns {
-    () => {
-        "id, operation, payload, status, result, attempt, next_attempt_at, \
-         last_error, last_error_name, generation_id, created_at"
-    };
-}
-
-/// Reads one call row by id.
-const READ_CALL: &str = concat!(
-    "SELECT ",
-    call_columns!(),
-    " FROM durability_calls WHERE id = ?"
-);
+/// Reads one call row by id: the columns [`CallRow::decode`] takes, in
+/// its order.
+const READ_CALL: &str = "SELECT id, operation, payload, status, result, attempt, \
+     next_attempt_at, last_error, last_error_name, generation_id, created_at \
+     FROM durability_calls WHERE id = ?";
 
 struct CallRow {
     id: String,

@@ -1115,31 +1115,32 @@ fn serialize_failure(failure: &DurabilityError) -> SerializedError {
 
 /// The earliest pending rows of `table`, first `?` of them, with their
 /// keys as `pk`; covered by the table's (status, next_attempt_at) index.
-/// The built-in tables' text is written out: it runs in every
-/// transaction that reconciles.
+/// The built-in tables' text is written out (it runs in every transaction
+/// that reconciles); a test checks it against [`format_pending_query`].
 fn pending_query(table: DurableTable) -> Cow<'static, str> {
-    macro_rules! pending {
-        ($key:literal, $name:literal) => {
-            concat!(
-                "SELECT ",
-                $key,
-                " AS pk, next_attempt_at FROM ",
-                $name,
-                " WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
-            )
-        };
-    }
     Cow::Borrowed(match table {
-        DurableTable::OPERATIONS => pending!("id", "durability_calls"),
-        DurableTable::NAMED_ALARMS => pending!("name", "durability_alarms"),
-        DurableTable::FANOUT_DELIVERIES => pending!("id", "durability_fanout_deliveries"),
-        DurableTable { name, key } => {
-            return Cow::Owned(format!(
-                "SELECT {key} AS pk, next_attempt_at FROM {name} \
-                 WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
-            ));
+        DurableTable::OPERATIONS => {
+            "SELECT id AS pk, next_attempt_at FROM durability_calls \
+             WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
         }
+        DurableTable::NAMED_ALARMS => {
+            "SELECT name AS pk, next_attempt_at FROM durability_alarms \
+             WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
+        }
+        DurableTable::FANOUT_DELIVERIES => {
+            "SELECT id AS pk, next_attempt_at FROM durability_fanout_deliveries \
+             WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
+        }
+        other => return Cow::Owned(format_pending_query(other)),
     })
+}
+
+/// [`pending_query`] for any table.
+fn format_pending_query(DurableTable { name, key }: DurableTable) -> String {
+    format!(
+        "SELECT {key} AS pk, next_attempt_at FROM {name} \
+         WHERE status = 'pending' ORDER BY next_attempt_at ASC LIMIT ?"
+    )
 }
 
 fn min_time(a: Option<EpochMs>, b: Option<EpochMs>) -> Option<EpochMs> {
@@ -1159,6 +1160,23 @@ mod tests {
     use durability_host::{DurableObject, Host, ObjectContext};
 
     use super::*;
+
+    #[test]
+    fn the_written_out_pending_queries_are_the_formatted_ones() {
+        for table in [
+            DurableTable::OPERATIONS,
+            DurableTable::NAMED_ALARMS,
+            DurableTable::FANOUT_DELIVERIES,
+        ] {
+            assert!(matches!(pending_query(table), Cow::Borrowed(_)));
+            assert_eq!(pending_query(table), format_pending_query(table));
+        }
+        let other = DurableTable {
+            name: "t",
+            key: "k",
+        };
+        assert_eq!(pending_query(other), format_pending_query(other));
+    }
 
     /// An object whose alarm runs its scheduler.
     struct Plain {
