@@ -369,7 +369,7 @@ unsafe extern "C" fn shim_write(
         None => return forward!(file, xWrite, buf, amount, offset),
         Some(wal) => {
             let held = &mut wal.held;
-            if start == 0 {
+            if start == 0 && held.bytes.is_empty() {
                 // A new WAL header: the log starts over.
                 held.end = Some(0);
             }
@@ -396,7 +396,13 @@ unsafe extern "C" fn shim_write(
         {
             wal.journal.wrote(&wal.wal, start, bytes);
             let end = start + bytes.len() as u64;
-            wal.held.end = Some(wal.held.end.map_or(end, |known| known.max(end)));
+            wal.held.end = Some(match wal.held.end {
+                // A header while writes were held (they went first): the
+                // log starts over.
+                _ if start == 0 => end,
+                Some(known) => known.max(end),
+                None => end,
+            });
         }
         return rc;
     }
