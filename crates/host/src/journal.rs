@@ -7,7 +7,9 @@
 //! WAL as usual and is also kept as a record (the WAL's name under the data
 //! directory, the offset, the bytes). A pass of the flusher appends the
 //! records gathered since the last pass to the current *segment* and syncs
-//! that one file; the WAL files themselves stay in the page cache. After a
+//! that one file; the WAL files themselves stay in the page cache, while
+//! the segment, read only by a replay, is written past it (direct I/O, in
+//! whole blocks: [`direct_io`]). After a
 //! power cut, the host's next start *replays* the segments before it opens
 //! any object: it writes every record back into its WAL, in order, syncs
 //! those files, and starts a fresh segment. Each WAL then holds at least
@@ -56,9 +58,17 @@ pub(crate) const JOURNAL_DIR: &str = "journal";
 /// records, when a small pass reaches its end.
 const ZERO_CHUNK: u64 = 1 << 20;
 
+/// A segment is written in whole blocks of this size, at offsets and
+/// from memory aligned to it, as direct I/O requires (see
+/// [`Segment::create`]): a multiple of every logical block size in use.
+const BLOCK: usize = 4096;
+
 /// What a segment grows by, written from here rather than allocated on
-/// every growth.
-static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+/// every growth (aligned, for direct I/O).
+static ZEROS: Zeros = Zeros([0; 64 << 10]);
+
+#[repr(C, align(4096))]
+struct Zeros([u8; 64 << 10]);
 
 /// Passes of at least this many bytes grow the segment without zeros.
 ///
@@ -162,8 +172,9 @@ struct Segment {
     /// The WALs it holds records of, with the number of the last: it may
     /// be deleted once each is settled through it.
     written: HashMap<usize, (Arc<Wal>, u64)>,
-    /// Scratch for encoding, kept between syncs.
-    encoded: Vec<u8>,
+    /// What the next sync writes, kept between syncs: the bytes of the
+    /// last block that `len` ends in, then the records encoded.
+    encoded: Blocks,
 }
 
 /// The current segment and the full ones not yet deleted.
@@ -482,6 +493,7 @@ impl Segment {
             .write(true)
             .open(&path)
             .map_err(io(&path))?;
+        direct_io(&file);
         sync_dir(dir)?;
         Ok(Segment {
             file,
@@ -490,7 +502,7 @@ impl Segment {
             len: 0,
             allocated: 0,
             written: HashMap::new(),
-            encoded: Vec::new(),
+            encoded: Blocks::default(),
         })
     }
 
@@ -502,8 +514,14 @@ impl Segment {
     }
 
     /// Appends the records of `pending` and syncs.
+    ///
+    /// The write starts at the block that `len` ends in: that block's
+    /// bytes so far (kept in `encoded`) are written again, unchanged,
+    /// ahead of the new records, and the last block is padded with zeros.
+    /// Whichever sectors of that rewritten block a power cut leaves, the
+    /// bytes an earlier sync made durable are the same.
     fn append(&mut self, pending: &Pending) -> Result<(), JournalError> {
-        self.encoded.clear();
+        let carried = self.encoded.len();
         for entry in &pending.entries {
             let data = pending
                 .bytes
@@ -515,8 +533,11 @@ impl Segment {
                 .and_modify(|(_, last)| *last = entry.number)
                 .or_insert_with(|| (Arc::clone(&entry.wal), entry.number));
         }
-        let end = self.len + self.encoded.len() as u64;
-        if end > self.allocated && self.encoded.len() >= ZERO_BELOW {
+        let at = self.len - carried as u64;
+        let records = self.encoded.len() - carried;
+        let block = self.encoded.padded();
+        let end = at + block.len() as u64;
+        if end > self.allocated && records >= ZERO_BELOW {
             // A large pass (many callers) shares the cost of growing the
             // file; zeros would double the bytes written.
             self.allocated = end;
@@ -529,23 +550,128 @@ impl Segment {
             let target = end.next_multiple_of(ZERO_CHUNK);
             while self.allocated < target {
                 let n = usize::try_from(target - self.allocated)
-                    .unwrap_or(ZEROS.len())
-                    .min(ZEROS.len());
+                    .unwrap_or(ZEROS.0.len())
+                    .min(ZEROS.0.len());
                 self.file
-                    .write_all_at(&ZEROS[..n], self.allocated)
+                    .write_all_at(&ZEROS.0[..n], self.allocated)
                     .map_err(io(&self.path))?;
                 self.allocated += n as u64;
             }
         }
-        // At its length, not appended: a write that failed halfway is
-        // overwritten by the next.
-        self.file
-            .write_all_at(&self.encoded, self.len)
-            .map_err(io(&self.path))?;
+        // At the block of its length, not appended: a write that failed
+        // halfway is overwritten by the next.
+        self.file.write_all_at(block, at).map_err(io(&self.path))?;
         self.file.sync_data().map_err(io(&self.path))?;
         crate::telemetry::fsynced();
-        self.len += self.encoded.len() as u64;
+        self.len += records as u64;
+        self.encoded.keep_last(block_offset(self.len));
         Ok(())
+    }
+}
+
+/// Where `at` falls in its block.
+fn block_offset(at: u64) -> usize {
+    // Less than BLOCK, so it fits.
+    (at % BLOCK as u64) as usize
+}
+
+/// Asks the kernel to write `file` straight from the caller's memory to
+/// the disk, past the page cache (`O_DIRECT`, Linux only).
+///
+/// Why: a segment is written once and read only by a replay, and
+/// appending to a file through the page cache costs a new cached page for
+/// every 4 KiB, filled by a copy. Measured here, appending 1 MiB passes
+/// and syncing each took 630-3,750 us of CPU per MiB buffered, against
+/// 120-160 us direct; on `bench operations` (64 callers, 100 objects)
+/// those copies were a sixth of the whole process's CPU time. A
+/// filesystem without direct I/O refuses the flag, and the segment stays
+/// buffered: the writes are the same whole blocks either way.
+fn direct_io(file: &File) {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+        let set = fcntl_getfl(file).and_then(|flags| fcntl_setfl(file, flags | OFlags::DIRECT));
+        if let Err(error) = set {
+            tracing::debug!(%error, "the journal's filesystem refuses direct I/O; its segments are written through the page cache");
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = file;
+}
+
+/// Bytes in memory aligned to [`BLOCK`], written out in whole blocks.
+#[derive(Default)]
+struct Blocks {
+    blocks: Vec<Block>,
+    len: usize,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+struct Block([u8; BLOCK]);
+
+impl Blocks {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn all(&mut self) -> &mut [u8] {
+        let len = self.blocks.len() * BLOCK;
+        // SAFETY: a `Block` is `BLOCK` initialized bytes and no padding
+        // (its size equals its alignment), so the vector's blocks are
+        // `len` contiguous initialized bytes, borrowed mutably with it;
+        // any value is a valid `u8`.
+        unsafe { std::slice::from_raw_parts_mut(self.blocks.as_mut_ptr().cast::<u8>(), len) }
+    }
+
+    fn put(&mut self, bytes: &[u8]) {
+        let end = self.len + bytes.len();
+        let blocks = end.div_ceil(BLOCK);
+        if blocks > self.blocks.len() {
+            let grown = blocks.max(self.blocks.len() * 2);
+            self.blocks.resize(grown, Block([0; BLOCK]));
+        }
+        let start = self.len;
+        if let Some(to) = self.all().get_mut(start..end) {
+            to.copy_from_slice(bytes);
+        }
+        self.len = end;
+    }
+
+    /// The bytes put so far and zeros up to the end of their last block.
+    fn padded(&mut self) -> &[u8] {
+        let len = self.len;
+        let end = len.next_multiple_of(BLOCK);
+        let all = self.all();
+        if let Some(pad) = all.get_mut(len..end) {
+            pad.fill(0);
+        }
+        all.get(..end).unwrap_or_default()
+    }
+
+    /// Keeps the last `n` bytes put, moved to the start.
+    fn keep_last(&mut self, n: usize) {
+        let len = self.len;
+        let n = n.min(len);
+        self.all().copy_within(len - n..len, 0);
+        self.len = n;
+    }
+}
+
+/// Where [`encode`] writes a record.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+}
+
+impl Sink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+impl Sink for Blocks {
+    fn put(&mut self, bytes: &[u8]) {
+        Blocks::put(self, bytes);
     }
 }
 
@@ -553,18 +679,20 @@ fn segment_name(generation: u64) -> String {
     format!("segment-{generation:020}.log")
 }
 
-fn encode(out: &mut Vec<u8>, generation: u64, entry: &Entry, data: &[u8]) {
-    let start = out.len();
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&generation.to_le_bytes());
-    out.push(entry.kind);
-    out.extend_from_slice(&(entry.wal.name.len() as u16).to_le_bytes());
-    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
-    out.extend_from_slice(&entry.offset.to_le_bytes());
-    out.extend_from_slice(&entry.wal.name);
-    out.extend_from_slice(data);
-    let crc = crc32fast::hash(&out[start..]);
-    out.extend_from_slice(&crc.to_le_bytes());
+fn encode(out: &mut impl Sink, generation: u64, entry: &Entry, data: &[u8]) {
+    let mut header = [0u8; HEADER_LEN];
+    header[..4].copy_from_slice(&MAGIC);
+    header[4..12].copy_from_slice(&generation.to_le_bytes());
+    header[12] = entry.kind;
+    header[13..15].copy_from_slice(&(entry.wal.name.len() as u16).to_le_bytes());
+    header[15..19].copy_from_slice(&(data.len() as u32).to_le_bytes());
+    header[19..27].copy_from_slice(&entry.offset.to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    for part in [&header[..], &entry.wal.name, data] {
+        crc.update(part);
+        out.put(part);
+    }
+    out.put(&crc.finalize().to_le_bytes());
 }
 
 /// One record read back.
@@ -1233,6 +1361,84 @@ mod tests {
             );
         }
         assert!(segments(&journal_dir).unwrap().is_empty());
+    }
+
+    /// Passes of `sizes` (bytes of data per record, one pass per inner
+    /// list) appended to a fresh segment; returns it with the data.
+    fn appended(dir: &Path, sizes: &[&[usize]]) -> (Segment, Vec<Vec<u8>>) {
+        let mut segment = Segment::create(dir, 5).unwrap();
+        let wal = wal(b"objects/ab/x.sqlite-wal");
+        let mut written = Vec::new();
+        for pass in sizes {
+            let mut pending = Pending::default();
+            for &size in *pass {
+                let n = written.len();
+                let data: Vec<u8> = (0..size).map(|i| (i * 31 + n) as u8).collect();
+                pending.entries.push(Entry {
+                    wal: Arc::clone(&wal),
+                    number: n as u64 + 1,
+                    kind: KIND_WRITE,
+                    offset: n as u64,
+                    start: pending.bytes.len(),
+                    len: size,
+                });
+                pending.bytes.extend_from_slice(&data);
+                written.push(data);
+            }
+            segment.append(&pending).unwrap();
+            let file_len = segment.file.metadata().unwrap().len();
+            assert_eq!(file_len % BLOCK as u64, 0, "whole blocks: {file_len}");
+            assert!(file_len >= segment.len, "{file_len} < {}", segment.len);
+        }
+        (segment, written)
+    }
+
+    #[test]
+    fn passes_of_any_size_leave_every_record_in_order_in_whole_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        // Records ending inside a block, exactly at its end, spanning
+        // several; small passes (zeros ahead) and one past ZERO_BELOW.
+        let sizes: &[&[usize]] = &[
+            &[10],
+            &[100, 3_000],
+            &[BLOCK - HEADER_LEN - 23 - CRC_LEN],
+            &[1],
+            &[9_000, 17],
+            &[ZERO_BELOW + 5_000],
+            &[4_095, 4_096, 4_097],
+            &[0],
+        ];
+        let (segment, written) = appended(dir.path(), sizes);
+        let bytes = std::fs::read(&segment.path).unwrap();
+        let mut at = 0;
+        let mut read = Vec::new();
+        while let Some((record, len)) = decode(&bytes[at..], 5) {
+            assert_eq!(record.offset, read.len() as u64);
+            read.push(record.data.to_vec());
+            at += len;
+        }
+        assert_eq!(at as u64, segment.len);
+        assert!(
+            bytes[at..].iter().all(|&b| b == 0),
+            "zeros follow the records"
+        );
+        assert_eq!(read, written);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn segments_are_written_past_the_page_cache_where_the_filesystem_allows() {
+        use rustix::fs::{OFlags, fcntl_getfl};
+        let dir = tempfile::tempdir().unwrap();
+        // Whether this filesystem takes direct I/O at all.
+        let probe = File::create(dir.path().join("probe")).unwrap();
+        let flags = fcntl_getfl(&probe).unwrap();
+        let direct = rustix::fs::fcntl_setfl(&probe, flags | OFlags::DIRECT).is_ok();
+        let (segment, _) = appended(dir.path(), &[&[10], &[ZERO_BELOW]]);
+        assert_eq!(
+            fcntl_getfl(&segment.file).unwrap().contains(OFlags::DIRECT),
+            direct
+        );
     }
 
     #[test]
