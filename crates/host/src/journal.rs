@@ -552,15 +552,13 @@ impl Segment {
                 let n = usize::try_from(target - self.allocated)
                     .unwrap_or(ZEROS.0.len())
                     .min(ZEROS.0.len());
-                self.file
-                    .write_all_at(&ZEROS.0[..n], self.allocated)
-                    .map_err(io(&self.path))?;
+                write_blocks(&self.file, &ZEROS.0[..n], self.allocated).map_err(io(&self.path))?;
                 self.allocated += n as u64;
             }
         }
         // At the block of its length, not appended: a write that failed
         // halfway is overwritten by the next.
-        self.file.write_all_at(block, at).map_err(io(&self.path))?;
+        write_blocks(&self.file, block, at).map_err(io(&self.path))?;
         self.file.sync_data().map_err(io(&self.path))?;
         crate::telemetry::fsynced();
         self.len += records as u64;
@@ -597,6 +595,27 @@ fn direct_io(file: &File) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = file;
+}
+
+/// Writes blocks of a segment at `at`. Should direct I/O refuse them
+/// (`EINVAL`: a device whose blocks are larger than [`BLOCK`], say), the
+/// segment goes through the page cache from then on and the write is made
+/// again: the same bytes at the same place.
+fn write_blocks(file: &File, bytes: &[u8], at: u64) -> std::io::Result<()> {
+    match file.write_all_at(bytes, at) {
+        #[cfg(target_os = "linux")]
+        Err(error) if error.kind() == std::io::ErrorKind::InvalidInput => {
+            use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+            let flags = fcntl_getfl(file)?;
+            if !flags.contains(OFlags::DIRECT) {
+                return Err(error);
+            }
+            fcntl_setfl(file, flags - OFlags::DIRECT)?;
+            tracing::warn!(%error, "direct I/O refused a journal write; the segment is written through the page cache");
+            file.write_all_at(bytes, at)
+        }
+        other => other,
+    }
 }
 
 /// Bytes in memory aligned to [`BLOCK`], written out in whole blocks.
@@ -1439,6 +1458,24 @@ mod tests {
             fcntl_getfl(&segment.file).unwrap().contains(OFlags::DIRECT),
             direct
         );
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_write_direct_io_refuses_goes_through_the_page_cache() {
+        use rustix::fs::{OFlags, fcntl_getfl};
+        let dir = tempfile::tempdir().unwrap();
+        let segment = Segment::create(dir.path(), 1).unwrap();
+        if !fcntl_getfl(&segment.file).unwrap().contains(OFlags::DIRECT) {
+            return; // this filesystem has no direct I/O to refuse anything
+        }
+        // Memory one byte past a block's start: direct I/O refuses it.
+        let mut blocks = Blocks::default();
+        blocks.put(&[7; BLOCK + 1]);
+        let unaligned = &blocks.padded()[1..=BLOCK];
+        write_blocks(&segment.file, unaligned, 0).unwrap();
+        assert!(!fcntl_getfl(&segment.file).unwrap().contains(OFlags::DIRECT));
+        assert_eq!(std::fs::read(&segment.path).unwrap(), vec![7; BLOCK]);
     }
 
     #[test]
