@@ -372,14 +372,14 @@ impl Executor {
     /// `reply`; `guard` keeps the host's shutdown waiting. `caller` is the
     /// object whose code made the call, if one did.
     #[allow(clippy::too_many_arguments)] // each argument is a distinct part of one call
-    pub(crate) fn call<T, F, Fut, R>(
+    pub(crate) fn call<T, F, Fut, R, D>(
         self: &Rc<Self>,
         id: ObjectId,
         namespace: Arc<str>,
         name: Arc<str>,
         caller: Option<ObjectId>,
         f: F,
-        reply: tokio::sync::oneshot::Sender<Reply<R>>,
+        reply: D,
         guard: crate::work::WorkGuard,
         span: tracing::Span,
     ) where
@@ -387,19 +387,20 @@ impl Executor {
         F: FnOnce(Rc<T>) -> Fut + 'static,
         Fut: std::future::Future<Output = R> + 'static,
         R: 'static,
+        D: FnOnce(Reply<R>) + 'static,
     {
         let then: Then = Box::new(move |_executor, slot| {
             let slot = match slot {
                 Ok(slot) => slot,
                 Err(error) => {
-                    let _ = reply.send(Reply::failed(error));
+                    reply(Reply::failed(error));
                     return;
                 }
             };
             let object = match Rc::clone(&slot.object).into_any().downcast::<T>() {
                 Ok(object) => object,
                 Err(_) => {
-                    let _ = reply.send(Reply::failed(CallError::WrongType {
+                    reply(Reply::failed(CallError::WrongType {
                         id: slot.state.id.to_string(),
                     }));
                     return;
@@ -410,7 +411,7 @@ impl Executor {
             let run = async move {
                 let result = f(object).await;
                 let after = ctx.object_storage().last_commit();
-                let _ = reply.send(Reply {
+                reply(Reply {
                     result: Ok(result),
                     after,
                 });

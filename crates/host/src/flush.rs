@@ -13,8 +13,11 @@
 //!
 //! The *output gate*: a reply of `Stub::call` carries its object's last
 //! commit when the reply was made (a [`CommitMark`]: the WAL and the
-//! number), and the stub releases it to the caller only once that WAL is
-//! synced through that number. Whoever saw
+//! number), and it reaches the caller only once that WAL is synced
+//! through that number: the object's thread hands the reply to the group
+//! commit, and the pass that makes the mark durable sends it
+//! ([`GroupCommit::release_when_durable`]), so a caller is woken once.
+//! Whoever saw
 //! a reply can therefore rely on every write the object made before it, as
 //! with `synchronous=FULL`, also after a power loss. Work inside the host
 //! (alarms, timers, in-process consumers) is not held; what could mark
@@ -378,7 +381,13 @@ pub(crate) struct GroupCommit {
     /// pass (see [`GroupCommit::gather`]).
     gated: AtomicU64,
     gated_before_pass: AtomicU64,
+    /// Replies held until their commits are durable, with what sends each
+    /// (see [`GroupCommit::release_when_durable`]).
+    held: Mutex<Vec<(CommitMark, Release)>>,
 }
+
+/// Sends one held reply to its caller.
+pub(crate) type Release = Box<dyn FnOnce() + Send>;
 
 impl GroupCommit {
     pub(crate) fn new(
@@ -419,6 +428,7 @@ impl GroupCommit {
             }),
             flush,
             gated: AtomicU64::new(0),
+            held: Mutex::new(Vec::new()),
             gated_before_pass: AtomicU64::new(0),
         })
     }
@@ -537,6 +547,70 @@ impl GroupCommit {
         self.wait(|d| mark.is_durable() || d.seq >= mark.seq).await
     }
 
+    /// The output gate as the object's thread closes it: `release` (which
+    /// sends a reply made after the commits up to `mark`) runs once those
+    /// commits are durable, on the thread of the pass that made them so,
+    /// or at once if they already are or a sync failed (the caller's own
+    /// [`GroupCommit::gate`] then passes at once, or reports the failure).
+    ///
+    /// Compared with sending the reply and letting the caller wait at the
+    /// gate, the caller is woken once instead of twice, and the object's
+    /// thread wakes no one: the pass wakes every caller it released
+    /// together. Inline, where no other thread runs passes, the reply
+    /// goes at once and the caller's gate runs the pass.
+    pub(crate) fn release_when_durable(&self, mark: CommitMark, release: Release) {
+        if self.inline {
+            release();
+            return;
+        }
+        {
+            let mut held = self.lock_held();
+            // Looked at under the lock that a pass takes after it marks
+            // its files synced: either this sees that pass's marks, or
+            // the pass sees this reply.
+            if !self.releasable(&mark) {
+                held.push((mark.clone(), release));
+                drop(held);
+                self.gated.fetch_add(1, Ordering::AcqRel);
+                self.urge(&mark);
+                return;
+            }
+        }
+        release();
+    }
+
+    /// Whether a reply after `mark` may go: its commits are durable, or
+    /// they never will be.
+    fn releasable(&self, mark: &CommitMark) -> bool {
+        mark.is_durable()
+            || self.failed.load(Ordering::Acquire)
+            || self.durable.borrow().seq >= mark.seq
+    }
+
+    fn lock_held(&self) -> MutexGuard<'_, Vec<(CommitMark, Release)>> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends the held replies that may go now (after a pass, or a failure).
+    fn release_held(&self) {
+        let ready: Vec<Release> = {
+            let mut held = self.lock_held();
+            let mut ready = Vec::new();
+            let mut i = 0;
+            while i < held.len() {
+                if held.get(i).is_some_and(|(mark, _)| self.releasable(mark)) {
+                    ready.push(held.swap_remove(i).1);
+                } else {
+                    i += 1;
+                }
+            }
+            ready
+        };
+        for release in ready {
+            release();
+        }
+    }
+
     /// Waits until `reached` holds of what is durable, or a sync failed.
     async fn wait(&self, reached: impl Fn(&Durable) -> bool) -> Result<(), Arc<str>> {
         if self.inline {
@@ -631,6 +705,7 @@ impl GroupCommit {
         let floor = self.lock_dirty().floor();
         // Every waiter looks again, also those on one file's mark.
         self.durable.send_modify(|d| d.seq = d.seq.max(floor));
+        self.release_held();
         if self.index.apply_durable() {
             // The index's own WAL: nothing waits on it.
             self.index_dirty();
@@ -647,6 +722,7 @@ impl GroupCommit {
             journal.fail();
         }
         self.durable.send_modify(|d| d.failed = Some(message));
+        self.release_held();
     }
 
     /// A pass could not open these files: nothing was lost, so they go
@@ -1332,6 +1408,48 @@ mod tests {
         group.flush().await.unwrap();
         assert!(other.is_durable(), "shutdown syncs every file");
         assert_eq!(group.durable.borrow().seq, second.seq);
+    }
+
+    #[test]
+    fn a_held_reply_goes_with_the_pass_that_makes_its_commit_durable_or_with_a_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        // No driver: this test runs the passes. Nothing is due by the clock.
+        let group = group(
+            dir.path(),
+            FlushMethod::WalFiles,
+            Duration::from_secs(3600),
+            OPEN_RETRY_WINDOW,
+        );
+        let a = wal(dir.path(), "a.sqlite-wal");
+        let b = wal(dir.path(), "b.sqlite-wal");
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let reply = |name: &'static str| -> Release {
+            let sent = Arc::clone(&sent);
+            Box::new(move || sent.lock().unwrap().push(name))
+        };
+        let sent_so_far = || sent.lock().unwrap().clone();
+
+        let first = commit(&group, &a);
+        let other = commit(&group, &b);
+        group.release_when_durable(first.clone(), reply("a"));
+        // After no commit at all, a reply goes at once.
+        group.release_when_durable(CommitMark::default(), reply("none"));
+        assert_eq!(sent_so_far(), ["none"]);
+
+        // The held reply urged its file: the pass syncs it, and only it.
+        group.run_pass();
+        assert!(first.is_durable() && !other.is_durable());
+        assert_eq!(sent_so_far(), ["none", "a"]);
+        // Already durable: at once.
+        group.release_when_durable(first, reply("a again"));
+        assert_eq!(sent_so_far(), ["none", "a", "a again"]);
+
+        group.release_when_durable(other.clone(), reply("b"));
+        assert_eq!(sent_so_far(), ["none", "a", "a again"]);
+        // A failure sends what is held (its caller's gate reports it).
+        group.fail(&"injected");
+        assert_eq!(sent_so_far(), ["none", "a", "a again", "b"]);
+        assert!(!other.is_durable());
     }
 
     #[tokio::test]

@@ -822,8 +822,25 @@ impl<T: DurableObject> Stub<T> {
             name = %self.name,
         );
         let started = std::time::Instant::now();
+        // The reply waits at the output gate on the object's side, and
+        // goes to this caller once the commits before it are durable.
+        let group = core.group.clone();
+        let deliver = move |reply: Reply<R>| match group {
+            Some(group) => {
+                let after = reply.after.clone();
+                group.release_when_durable(
+                    after,
+                    Box::new(move || {
+                        let _ = tx.send(reply);
+                    }),
+                );
+            }
+            None => {
+                let _ = tx.send(reply);
+            }
+        };
         let job: Job = Box::new(move |e| {
-            e.call::<T, F, Fut, R>(id, namespace, name, caller, f, tx, guard, span)
+            e.call::<T, F, Fut, R, _>(id, namespace, name, caller, f, deliver, guard, span)
         });
         let core = Arc::clone(core);
         self.host

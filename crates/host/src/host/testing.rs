@@ -114,13 +114,15 @@ impl<T: DurableObject> Stub<T> {
         let executor = self.local_executor()?;
         let guard = core.work.begin();
         let (tx, rx) = oneshot::channel();
-        executor.call::<T, F, Fut, R>(
+        executor.call::<T, F, Fut, R, _>(
             self.id.clone(),
             Arc::clone(&self.namespace),
             Arc::clone(&self.name),
             executor::current_object(),
             f,
-            tx,
+            move |reply| {
+                let _ = tx.send(reply);
+            },
             guard,
             tracing::info_span!(
                 parent: tracing::Span::current(),
