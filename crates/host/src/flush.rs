@@ -1266,6 +1266,17 @@ mod tests {
         )
     }
 
+    /// A group commit syncing WAL files whose passes the test runs itself
+    /// (no flusher thread); nothing is due by the clock.
+    fn undriven(dir: &Path) -> Arc<GroupCommit> {
+        group(
+            dir,
+            FlushMethod::WalFiles,
+            Duration::from_secs(3600),
+            OPEN_RETRY_WINDOW,
+        )
+    }
+
     #[tokio::test]
     async fn a_log_that_cannot_be_opened_is_tried_again_and_its_reply_waits_without_failing() {
         let dir = tempfile::tempdir().unwrap();
@@ -1413,13 +1424,7 @@ mod tests {
     #[test]
     fn a_held_reply_goes_with_the_pass_that_makes_its_commit_durable_or_with_a_failure() {
         let dir = tempfile::tempdir().unwrap();
-        // No driver: this test runs the passes. Nothing is due by the clock.
-        let group = group(
-            dir.path(),
-            FlushMethod::WalFiles,
-            Duration::from_secs(3600),
-            OPEN_RETRY_WINDOW,
-        );
+        let group = undriven(dir.path());
         let a = wal(dir.path(), "a.sqlite-wal");
         let b = wal(dir.path(), "b.sqlite-wal");
         let sent = Arc::new(Mutex::new(Vec::new()));
@@ -1495,13 +1500,7 @@ mod tests {
     #[test]
     fn a_pass_for_a_waiting_reply_takes_only_what_is_due_and_a_timer_pass_gathers() {
         let dir = tempfile::tempdir().unwrap();
-        // No flusher thread: the test takes the files itself.
-        let group = group(
-            dir.path(),
-            FlushMethod::WalFiles,
-            Duration::from_secs(3600),
-            OPEN_RETRY_WINDOW,
-        );
+        let group = undriven(dir.path());
         let soon = Instant::now() + Duration::from_secs(60);
         let due_within = |wal: &Arc<WalFile>, at: Instant| {
             if let Some(file) = group.lock_dirty().files.get_mut(&wal.key()) {

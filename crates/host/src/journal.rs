@@ -59,8 +59,8 @@ pub(crate) const JOURNAL_DIR: &str = "journal";
 const ZERO_CHUNK: u64 = 1 << 20;
 
 /// A segment is written in whole blocks of this size, at offsets and
-/// from memory aligned to it, as direct I/O requires (see
-/// [`Segment::create`]): a multiple of every logical block size in use.
+/// from memory aligned to it, as direct I/O requires (see [`direct_io`]):
+/// a multiple of every logical block size in use.
 const BLOCK: usize = 4096;
 
 /// What a segment grows by, written from here rather than allocated on
