@@ -303,6 +303,12 @@ impl CommitMark {
             .as_ref()
             .is_none_or(|wal| wal.synced.load(Ordering::Acquire) >= self.seq)
     }
+
+    /// Whether it is durable, by its own file or by the floor of every
+    /// file in `durable`.
+    fn reached(&self, durable: &Durable) -> bool {
+        self.is_durable() || durable.seq >= self.seq
+    }
 }
 
 /// A WAL with commits not yet synced.
@@ -544,7 +550,7 @@ impl GroupCommit {
         }
         self.gated.fetch_add(1, Ordering::AcqRel);
         self.urge(mark);
-        self.wait(|d| mark.is_durable() || d.seq >= mark.seq).await
+        self.wait(|d| mark.reached(d)).await
     }
 
     /// The output gate as the object's thread closes it: `release` (which
@@ -582,9 +588,7 @@ impl GroupCommit {
     /// Whether a reply after `mark` may go: its commits are durable, or
     /// they never will be.
     fn releasable(&self, mark: &CommitMark) -> bool {
-        mark.is_durable()
-            || self.failed.load(Ordering::Acquire)
-            || self.durable.borrow().seq >= mark.seq
+        self.failed.load(Ordering::Acquire) || mark.reached(&self.durable.borrow())
     }
 
     fn lock_held(&self) -> MutexGuard<'_, Vec<(CommitMark, Release)>> {
@@ -593,19 +597,11 @@ impl GroupCommit {
 
     /// Sends the held replies that may go now (after a pass, or a failure).
     fn release_held(&self) {
-        let ready: Vec<Release> = {
-            let mut held = self.lock_held();
-            let mut ready = Vec::new();
-            let mut i = 0;
-            while i < held.len() {
-                if held.get(i).is_some_and(|(mark, _)| self.releasable(mark)) {
-                    ready.push(held.swap_remove(i).1);
-                } else {
-                    i += 1;
-                }
-            }
-            ready
-        };
+        let ready: Vec<Release> = self
+            .lock_held()
+            .extract_if(.., |(mark, _)| self.releasable(mark))
+            .map(|(_, release)| release)
+            .collect();
         for release in ready {
             release();
         }
