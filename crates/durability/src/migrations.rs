@@ -17,7 +17,8 @@
 //! records 0004 only as the 2.x combined row, a history table restored from
 //! an older backup). So before running such a script, its effect is looked
 //! up in the schema (`REBUILD_GUARDS`); when it is already there the row
-//! is recorded (and reported as applied) without running the script. Every
+//! is recorded without running the script, and not reported as applied:
+//! a report names only the scripts that ran. Every
 //! other up script only creates tables, indexes and their first rows: a
 //! second run fails on the existing table with [`MigrationError::Script`]
 //! and its batch changes nothing.
@@ -90,7 +91,10 @@ pub enum MigrationTarget {
 /// What a [`migrate`] call changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MigrationReport {
-    /// Migrations applied, in list order.
+    /// Migrations whose up script ran in this call, in list order. A history
+    /// row recorded without running its script (a table rebuild already in
+    /// the schema, such as the split 0004 rows standing for the 2.x combined
+    /// row) is bookkeeping and is not listed.
     pub applied: Vec<String>,
     /// Migrations reverted: unknown newer ones first (newest first), then
     /// known ones after the target (newest first).
@@ -168,7 +172,8 @@ const REBUILD_GUARDS: &[(&str, &str, &str)] = &[
 /// (one transaction; more than two is an error); then revert what lies after
 /// the target, apply what is missing up to it and refresh stale stored
 /// `down` scripts (one transaction). The history table is dropped in that
-/// last transaction when no row of any capability remains.
+/// last transaction when no row of any capability remains. The report names
+/// the scripts that ran, not the history rows that were merely recorded.
 pub fn migrate(
     storage: &dyn Storage,
     capability: &str,
@@ -256,7 +261,11 @@ pub fn migrate(
         })
         .collect();
 
-    storage.transaction_sync(|sql| -> Result<(), MigrationError> {
+    // Only the migrations whose up script runs here are reported: a rebuild
+    // already in the schema is recorded without running, and naming it would
+    // tell the caller a table was rebuilt when none was.
+    let ran = storage.transaction_sync(|sql| -> Result<Vec<String>, MigrationError> {
+        let mut ran = Vec::new();
         for migration in &to_revert {
             run_script(sql, migration.name, Direction::Down, migration.down)?;
             sql.execute(
@@ -274,6 +283,7 @@ pub fn migrate(
                 );
             } else {
                 run_script(sql, migration.name, Direction::Up, migration.up)?;
+                ran.push(migration.name.to_owned());
             }
             sql.execute(
                 "INSERT INTO durability_migrations (name, capability, down) VALUES (?, ?, ?)",
@@ -298,16 +308,13 @@ pub fn migrate(
         if remaining == 0 {
             sql.execute_script("DROP TABLE durability_migrations")?;
         }
-        Ok(())
+        Ok(ran)
     })?;
 
     report
         .rolled_back
         .extend(to_revert.iter().map(|migration| migration.name.to_owned()));
-    report.applied = to_apply
-        .iter()
-        .map(|migration| migration.name.to_owned())
-        .collect();
+    report.applied = ran;
     Ok(report)
 }
 

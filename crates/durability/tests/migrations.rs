@@ -606,6 +606,19 @@ fn write_2x_database(sql: &dyn Sql) {
     }
 }
 
+/// The 2.x database of [`write_2x_database`] after a 3.x library gave its
+/// history table the `capability` and `down` columns but left 0004 recorded
+/// only as the combined row, so this version does not translate it: the
+/// rebuild guard records the split rows instead.
+fn write_2x_database_with_3x_history_columns(sql: &dyn Sql) {
+    write_2x_database(sql);
+    sql.execute_script(
+        "ALTER TABLE durability_migrations ADD COLUMN capability TEXT;
+         ALTER TABLE durability_migrations ADD COLUMN down TEXT;",
+    )
+    .unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_2x_history_is_translated_claimed_and_keeps_its_combined_row() {
     with_context(|ctx: Rc<dyn Context>| async move {
@@ -888,13 +901,7 @@ fn a_crash_during_a_migration_batch_leaves_the_schema_before_or_after_it() {
 async fn a_table_rebuild_already_in_the_schema_is_recorded_not_run_again() {
     with_context(|ctx: Rc<dyn Context>| async move {
         let storage = ctx.storage();
-        write_2x_database(storage);
-        storage
-            .execute_script(
-                "ALTER TABLE durability_migrations ADD COLUMN capability TEXT;
-                 ALTER TABLE durability_migrations ADD COLUMN down TEXT;",
-            )
-            .unwrap();
+        write_2x_database_with_3x_history_columns(storage);
         storage
             .execute(
                 "INSERT INTO durability_calls (id, operation, payload, status, next_attempt_at, \
@@ -917,7 +924,7 @@ async fn a_table_rebuild_already_in_the_schema_is_recorded_not_run_again() {
             MigrationTarget::Latest,
         )
         .unwrap();
-        assert_eq!(done, report(&[CALLS_0004], &[]), "recorded as applied");
+        assert_eq!(done, MigrationReport::default(), "recorded, not applied");
         migrate(
             storage,
             NAMED_ALARMS_CAPABILITY,
@@ -968,6 +975,43 @@ async fn a_table_rebuild_already_in_the_schema_is_recorded_not_run_again() {
             .unwrap()
             .unwrap();
         assert_eq!(call.get::<String>(0).unwrap(), "legacy:c1");
+    })
+    .await;
+}
+
+// MIG-005: recording the split 0004 rows that stand for the combined 2.x
+// row is bookkeeping. A report that named them would tell the caller a
+// table was rebuilt when none was.
+#[tokio::test(start_paused = true)]
+async fn a_2x_history_whose_0004_rebuild_is_done_reports_nothing_applied() {
+    with_context(|ctx: Rc<dyn Context>| async move {
+        let storage = ctx.storage();
+        write_2x_database_with_3x_history_columns(storage);
+
+        let done = migrate(
+            storage,
+            OPERATIONS_CAPABILITY,
+            OPERATIONS_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        assert_eq!(done, MigrationReport::default());
+        let done = migrate(
+            storage,
+            NAMED_ALARMS_CAPABILITY,
+            NAMED_ALARMS_MIGRATIONS,
+            MigrationTarget::Latest,
+        )
+        .unwrap();
+        // The one script that runs: 2.x had no recurring schedules.
+        assert_eq!(done, report(&[SCHEDULES_0014], &[]));
+
+        // The split rows are recorded all the same, so the next call has
+        // nothing left to do.
+        assert!(is_schema_current(storage, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS).unwrap());
+        assert!(
+            is_schema_current(storage, NAMED_ALARMS_CAPABILITY, NAMED_ALARMS_MIGRATIONS).unwrap()
+        );
     })
     .await;
 }
