@@ -59,6 +59,26 @@ pub enum HostError {
         /// The lock file the other host holds.
         lock: PathBuf,
     },
+    /// The host journal of an earlier process holds a record that a
+    /// returned sync made durable beyond a stretch the disk lost (or
+    /// garbled): replaying the records before it would roll objects back
+    /// to an older state without a word, so nothing was replayed and no
+    /// object file was touched. The disk did not keep what it acknowledged;
+    /// keep the directory as it is for inspection, and restore the objects
+    /// from a backup or accept the loss by moving the segment away.
+    #[error(
+        "the host journal segment {segment} lost synced records: its replayable records end at \
+         byte {at}, but a record a returned sync made durable lies at byte {found}; nothing was \
+         replayed and no object file was touched"
+    )]
+    JournalLost {
+        /// The segment file.
+        segment: PathBuf,
+        /// Where its replayable records end.
+        at: u64,
+        /// Where the first record beyond them starts.
+        found: u64,
+    },
     /// The host's alarm index (`index.sqlite` in the data directory) could
     /// not be opened or rebuilt for a reason other than damage (a damaged
     /// index is rebuilt from the object files, not an error).

@@ -878,6 +878,13 @@ pub fn replay_journal(data_dir: &Path) -> Result<(), HostError> {
 }
 
 fn journal_error(data_dir: &Path, error: &JournalError) -> HostError {
+    if let JournalError::Lost { path, at, found } = error {
+        return HostError::JournalLost {
+            segment: path.clone(),
+            at: *at as u64,
+            found: *found as u64,
+        };
+    }
     HostError::Io {
         path: data_dir.join(journal::JOURNAL_DIR),
         message: format!("the host journal: {error}"),

@@ -32,9 +32,24 @@
 //!   limit: every WAL the old segment wrote to is synced in its own file,
 //!   and only then is the old segment deleted.
 //!
-//! Each record carries its segment's generation and a CRC-32 of itself; a
-//! replay stops at the first record that does not check (the tail a power
-//! cut tore), which no reply waited for.
+//! What a replay can trust:
+//! - Each segment has a name no other segment of any life had (a sequence
+//!   number, so they replay in order, and a random *nonce*), and every
+//!   record carries the nonce and a CRC-32 of itself. A record of another
+//!   segment (a file of an earlier life whose name or disk blocks came
+//!   back) never decodes as one of this segment.
+//! - A sync appends one *pass*: its records, numbered with the pass, and
+//!   an end record. A pass that lacks its end was torn by a power cut
+//!   before its sync returned, so no reply waited for it; a replay applies
+//!   every whole pass and stops there.
+//! - A sync returns before the next pass is written, so past the torn
+//!   pass nothing may decode but records of that same pass (blocks a
+//!   disk's cache wrote out of order). A record of any other pass there,
+//!   or in a segment after which a newer one was started, was made durable
+//!   by a sync that returned: the disk lost synced writes before it, and
+//!   replaying the prefix would roll objects back without a word. The
+//!   replay then fails ([`JournalError::Lost`], naming the segment and the
+//!   offsets) before it writes anything.
 
 mod vfs;
 
@@ -45,6 +60,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use rand::Rng as _;
 
 use rusqlite::ffi;
 
@@ -80,12 +97,20 @@ struct Zeros([u8; 64 << 10]);
 const ZERO_BELOW: usize = 64 << 10;
 
 /// First bytes of every record.
-const MAGIC: [u8; 4] = *b"DJR1";
+const MAGIC: [u8; 4] = *b"DJR2";
+/// Magic, nonce, pass, kind, name length, data length, offset.
+const HEADER_LEN: usize = 4 + 8 + 8 + 1 + 2 + 4 + 8;
+/// First bytes of a record of the first format (no passes), which a host
+/// upgraded after a power cut still replays.
+const MAGIC_V1: [u8; 4] = *b"DJR1";
 /// Magic, generation, kind, name length, data length, offset.
-const HEADER_LEN: usize = 4 + 8 + 1 + 2 + 4 + 8;
+const HEADER_LEN_V1: usize = 4 + 8 + 1 + 2 + 4 + 8;
 const CRC_LEN: usize = 4;
 const KIND_WRITE: u8 = 1;
 const KIND_TRUNCATE: u8 = 2;
+/// Ends a pass. No name and no data; its offset is where the pass's first
+/// record starts in the segment.
+const KIND_END: u8 = 3;
 
 /// A WAL the journal has records of, across its opens: its path under the
 /// data directory, and how far its records are *settled*, that is durable
@@ -128,6 +153,14 @@ pub(crate) enum JournalError {
         at: usize,
         name: String,
     },
+    #[error(
+        "{path}: the replayable records end at byte {at}, but a record a sync made durable lies at byte {found}: the disk lost synced writes, so replaying would roll objects back; nothing was replayed"
+    )]
+    Lost {
+        path: PathBuf,
+        at: usize,
+        found: usize,
+    },
     #[error("cannot register the journal's SQLite VFS: {0}")]
     Vfs(String),
     #[error("an earlier sync of the journal failed; it is not synced again (restart the host)")]
@@ -164,7 +197,12 @@ struct Pending {
 struct Segment {
     file: File,
     path: PathBuf,
-    generation: u64,
+    /// Its place among the segments of the directory.
+    seq: u64,
+    /// Random, in its name and every record (see the module).
+    nonce: u64,
+    /// Passes appended so far.
+    passes: u64,
     /// Bytes of records.
     len: u64,
     /// Bytes of the file written (zeros past `len`).
@@ -233,8 +271,8 @@ impl Journal {
     pub(crate) fn open(data_dir: &Path, limit: u64) -> Result<Arc<Journal>, JournalError> {
         let dir = data_dir.join(JOURNAL_DIR);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-        let generation = replay(data_dir, &dir)?;
-        let segment = Segment::create(&dir, generation + 1)?;
+        let newest = replay(data_dir, &dir)?;
+        let segment = Segment::create(&dir, newest + 1)?;
         let sqlite_root = sqlite_path(data_dir)?;
         let journal = Arc::new(Journal {
             root: data_dir.to_path_buf(),
@@ -284,14 +322,34 @@ impl Journal {
     }
 
     /// SQLite deleted the file at `path` (a WAL, after the checkpoint of
-    /// its close): every record of it so far is settled.
+    /// its close). Once the deletion is durable, every record of it so far
+    /// is settled. Until then a power cut may bring the file back as its
+    /// last sync left it, older than its database, and only the journal's
+    /// records make it whole again: so its directory is synced here first
+    /// (one sync per object closed).
     fn deleted(&self, path: &[u8]) {
         let Some(relative) = path.strip_prefix(self.sqlite_root.as_slice()) else {
             return;
         };
-        let wals = self.wals.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(wal) = wals.get(relative) {
-            wal.settle(self.numbered.load(Ordering::Acquire));
+        let wal = self
+            .wals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(relative)
+            .cloned();
+        let Some(wal) = wal else {
+            return;
+        };
+        // Records numbered later are of a WAL made anew under the name.
+        let through = self.numbered.load(Ordering::Acquire);
+        let Some(dir) = Path::new(std::ffi::OsStr::from_bytes(path)).parent() else {
+            return;
+        };
+        match sync_dir(dir) {
+            Ok(()) => wal.settle(through),
+            Err(error) => {
+                tracing::warn!(%error, "the directory of a deleted WAL could not be synced; its journal records stay until it is");
+            }
         }
     }
 
@@ -401,7 +459,7 @@ impl Journal {
     /// many wait).
     fn rotate(&self, segments: &mut Segments) -> Result<(), JournalError> {
         if segments.current.len >= self.limit {
-            let next = Segment::create(&self.dir, segments.current.generation + 1)?;
+            let next = Segment::create(&self.dir, segments.current.seq + 1)?;
             let full = std::mem::replace(&mut segments.current, next);
             segments.retiring.push_back(full);
             // Forget the WALs nothing refers to any more (no open file, no
@@ -485,9 +543,11 @@ impl Drop for Journal {
 }
 
 impl Segment {
-    /// Creates segment `generation` (and makes its name durable).
-    fn create(dir: &Path, generation: u64) -> Result<Segment, JournalError> {
-        let path = dir.join(segment_name(generation));
+    /// Creates segment `seq` with a fresh nonce (and makes its name
+    /// durable).
+    fn create(dir: &Path, seq: u64) -> Result<Segment, JournalError> {
+        let nonce = rand::rng().random::<u64>();
+        let path = dir.join(segment_name(seq, nonce));
         let file = OpenOptions::new()
             .create_new(true)
             .write(true)
@@ -498,7 +558,9 @@ impl Segment {
         Ok(Segment {
             file,
             path,
-            generation,
+            seq,
+            nonce,
+            passes: 0,
             len: 0,
             allocated: 0,
             written: HashMap::new(),
@@ -522,17 +584,31 @@ impl Segment {
     /// bytes an earlier sync made durable are the same.
     fn append(&mut self, pending: &Pending) -> Result<(), JournalError> {
         let carried = self.encoded.len();
+        let stamp = Stamp {
+            nonce: self.nonce,
+            pass: self.passes + 1,
+        };
         for entry in &pending.entries {
             let data = pending
                 .bytes
                 .get(entry.start..entry.start + entry.len)
                 .unwrap_or_default();
-            encode(&mut self.encoded, self.generation, entry, data);
+            encode(
+                &mut self.encoded,
+                stamp,
+                entry.kind,
+                &entry.wal.name,
+                entry.offset,
+                data,
+            );
             self.written
                 .entry(Arc::as_ptr(&entry.wal) as usize)
                 .and_modify(|(_, last)| *last = entry.number)
                 .or_insert_with(|| (Arc::clone(&entry.wal), entry.number));
         }
+        // The pass is whole only with its end, written with it: a replay
+        // takes no record of a pass whose end did not reach the disk.
+        encode(&mut self.encoded, stamp, KIND_END, &[], self.len, &[]);
         let at = self.len - carried as u64;
         let records = self.encoded.len() - carried;
         let block = self.encoded.padded();
@@ -562,6 +638,7 @@ impl Segment {
         self.file.sync_data().map_err(io(&self.path))?;
         crate::telemetry::fsynced();
         self.len += records as u64;
+        self.passes = stamp.pass;
         self.encoded.keep_last(block_offset(self.len));
         Ok(())
     }
@@ -694,60 +771,94 @@ impl Sink for Blocks {
     }
 }
 
-fn segment_name(generation: u64) -> String {
-    format!("segment-{generation:020}.log")
+/// The file name of segment `seq` with `nonce`: names sort by `seq`.
+fn segment_name(seq: u64, nonce: u64) -> String {
+    format!("segment-{seq:020}-{nonce:016x}.log")
 }
 
-fn encode(out: &mut impl Sink, generation: u64, entry: &Entry, data: &[u8]) {
+/// What every record of one pass carries.
+#[derive(Clone, Copy)]
+struct Stamp {
+    nonce: u64,
+    pass: u64,
+}
+
+fn encode(out: &mut impl Sink, stamp: Stamp, kind: u8, name: &[u8], offset: u64, data: &[u8]) {
     let mut header = [0u8; HEADER_LEN];
     header[..4].copy_from_slice(&MAGIC);
-    header[4..12].copy_from_slice(&generation.to_le_bytes());
-    header[12] = entry.kind;
-    header[13..15].copy_from_slice(&(entry.wal.name.len() as u16).to_le_bytes());
-    header[15..19].copy_from_slice(&(data.len() as u32).to_le_bytes());
-    header[19..27].copy_from_slice(&entry.offset.to_le_bytes());
+    header[4..12].copy_from_slice(&stamp.nonce.to_le_bytes());
+    header[12..20].copy_from_slice(&stamp.pass.to_le_bytes());
+    header[20] = kind;
+    header[21..23].copy_from_slice(&(name.len() as u16).to_le_bytes());
+    header[23..27].copy_from_slice(&(data.len() as u32).to_le_bytes());
+    header[27..35].copy_from_slice(&offset.to_le_bytes());
     let mut crc = crc32fast::Hasher::new();
-    for part in [&header[..], &entry.wal.name, data] {
+    for part in [&header[..], name, data] {
         crc.update(part);
         out.put(part);
     }
     out.put(&crc.finalize().to_le_bytes());
 }
 
+/// How a segment's records are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    /// Records without passes (`segment-<generation>.log`, `DJR1`).
+    V1,
+    /// Passes closed by end records (`segment-<seq>-<nonce>.log`, `DJR2`).
+    V2,
+}
+
 /// One record read back.
 struct Record<'a> {
     kind: u8,
+    /// Its pass (0 in [`Format::V1`]).
+    pass: u64,
     name: &'a [u8],
     offset: u64,
     data: &'a [u8],
 }
 
-/// The record at the start of `bytes`, with its length, if it checks.
-fn decode(bytes: &[u8], generation: u64) -> Option<(Record<'_>, usize)> {
-    let header = bytes.get(..HEADER_LEN)?;
-    if header[..4] != MAGIC {
+/// The record of segment `nonce` at the start of `bytes`, with its
+/// length, if it checks.
+fn decode(bytes: &[u8], format: Format, nonce: u64) -> Option<(Record<'_>, usize)> {
+    let (magic, header_len) = match format {
+        Format::V1 => (MAGIC_V1, HEADER_LEN_V1),
+        Format::V2 => (MAGIC, HEADER_LEN),
+    };
+    let header = bytes.get(..header_len)?;
+    if header[..4] != magic {
         return None;
     }
     let field = |at: usize, len: usize| header.get(at..at + len);
-    let record_generation = u64::from_le_bytes(field(4, 8)?.try_into().ok()?);
-    let kind = header[12];
-    let name_len = usize::from(u16::from_le_bytes(field(13, 2)?.try_into().ok()?));
-    let data_len = usize::try_from(u32::from_le_bytes(field(15, 4)?.try_into().ok()?)).ok()?;
-    let offset = u64::from_le_bytes(field(19, 8)?.try_into().ok()?);
-    let body_end = HEADER_LEN.checked_add(name_len)?.checked_add(data_len)?;
+    let u64_at = |at: usize| Some(u64::from_le_bytes(field(at, 8)?.try_into().ok()?));
+    let record_nonce = u64_at(4)?;
+    let (pass, rest) = match format {
+        Format::V1 => (0, 12),
+        Format::V2 => (u64_at(12)?, 20),
+    };
+    let kind = *header.get(rest)?;
+    let name_len = usize::from(u16::from_le_bytes(field(rest + 1, 2)?.try_into().ok()?));
+    let data_len =
+        usize::try_from(u32::from_le_bytes(field(rest + 3, 4)?.try_into().ok()?)).ok()?;
+    let offset = u64_at(rest + 7)?;
+    let body_end = header_len.checked_add(name_len)?.checked_add(data_len)?;
     let end = body_end.checked_add(CRC_LEN)?;
     let crc = u32::from_le_bytes(bytes.get(body_end..end)?.try_into().ok()?);
-    if crc32fast::hash(bytes.get(..body_end)?) != crc
-        || record_generation != generation
-        || !matches!(kind, KIND_WRITE | KIND_TRUNCATE)
-    {
+    let kind_fits = match kind {
+        KIND_WRITE | KIND_TRUNCATE => true,
+        KIND_END => format == Format::V2 && name_len == 0 && data_len == 0,
+        _ => false,
+    };
+    if crc32fast::hash(bytes.get(..body_end)?) != crc || record_nonce != nonce || !kind_fits {
         return None;
     }
-    let name = bytes.get(HEADER_LEN..HEADER_LEN + name_len)?;
-    let data = bytes.get(HEADER_LEN + name_len..body_end)?;
+    let name = bytes.get(header_len..header_len + name_len)?;
+    let data = bytes.get(header_len + name_len..body_end)?;
     Some((
         Record {
             kind,
+            pass,
             name,
             offset,
             data,
@@ -779,44 +890,164 @@ pub(crate) fn recover(data_dir: &Path) -> Result<(), JournalError> {
 /// The most WAL files a replay keeps open at once.
 const REPLAY_OPEN_FILES: usize = 64;
 
-/// The segments in `dir`, oldest first, by generation.
-fn segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
+/// A segment file found in a journal's directory.
+#[derive(Debug)]
+struct SegmentFile {
+    seq: u64,
+    nonce: u64,
+    format: Format,
+    path: PathBuf,
+}
+
+/// The segments in `dir`, oldest first.
+fn segments(dir: &Path) -> Result<Vec<SegmentFile>, JournalError> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         let entry = entry.map_err(io(dir))?;
         let name = entry.file_name();
-        let generation = name
+        let Some(stem) = name
             .to_str()
             .and_then(|n| n.strip_prefix("segment-"))
             .and_then(|n| n.strip_suffix(".log"))
-            .and_then(|n| n.parse::<u64>().ok());
-        if let Some(generation) = generation {
-            found.push((generation, entry.path()));
+        else {
+            continue;
+        };
+        let parsed = match stem.split_once('-') {
+            Some((seq, nonce)) => seq
+                .parse::<u64>()
+                .ok()
+                .zip(u64::from_str_radix(nonce, 16).ok())
+                .map(|(seq, nonce)| (seq, nonce, Format::V2)),
+            // The first format named a segment by its generation, which
+            // its records carry where the nonce is now.
+            None => stem.parse::<u64>().ok().map(|g| (g, g, Format::V1)),
+        };
+        if let Some((seq, nonce, format)) = parsed {
+            found.push(SegmentFile {
+                seq,
+                nonce,
+                format,
+                path: entry.path(),
+            });
         }
     }
-    found.sort();
+    found.sort_by_key(|segment| segment.seq);
     Ok(found)
 }
 
+/// Where the replayable records of `segment` (its bytes) end: after its
+/// last whole pass. `last`: no newer segment follows it. Fails if a
+/// record that a returned sync made durable lies beyond that end (see the
+/// module).
+fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, JournalError> {
+    let mut at = 0;
+    let mut end = 0;
+    let mut closed = 0;
+    let mut open: Option<usize> = None;
+    while let Some((record, len)) = bytes
+        .get(at..)
+        .and_then(|rest| decode(rest, segment.format, segment.nonce))
+    {
+        if segment.format == Format::V2 {
+            if record.pass != closed + 1 {
+                break;
+            }
+            match (record.kind, open) {
+                (KIND_END, Some(start)) if record.offset == start as u64 => {
+                    closed = record.pass;
+                    open = None;
+                }
+                (KIND_END, _) => break,
+                (_, None) => open = Some(at),
+                (_, Some(_)) => {}
+            }
+        }
+        at += len;
+        if open.is_none() {
+            end = at;
+        }
+    }
+    // Past `end`, only the pass being written when the power went may
+    // have left records, and only in the newest segment: a sync returned
+    // before a newer segment or pass was begun. A first-format segment has
+    // no passes to tell them apart by, so anything there is refused.
+    let torn = closed + 1;
+    let (magic, header_len) = match segment.format {
+        Format::V1 => (MAGIC_V1, HEADER_LEN_V1),
+        Format::V2 => (MAGIC, HEADER_LEN),
+    };
+    let mut from = end;
+    while let Some(found) = bytes
+        .get(from..)
+        .and_then(|rest| rest.windows(magic.len()).position(|w| w == magic))
+        .map(|position| from + position)
+    {
+        if let Some((record, _)) = bytes
+            .get(found..)
+            .and_then(|rest| decode(rest, segment.format, segment.nonce))
+        {
+            let torn_pass = last && segment.format == Format::V2 && record.pass == torn;
+            if !torn_pass {
+                return Err(JournalError::Lost {
+                    path: segment.path.clone(),
+                    at: end,
+                    found,
+                });
+            }
+        }
+        from = found + 1;
+        if bytes.len() < from + header_len {
+            break;
+        }
+    }
+    if bytes
+        .get(end..)
+        .is_some_and(|rest| rest.iter().any(|&b| b != 0))
+    {
+        tracing::info!(segment = %segment.path.display(), kept = end, dropped = bytes.len() - end, "journal replay: a torn pass was left out (no reply waited for it)");
+    }
+    Ok(end)
+}
+
 /// Writes every record the segments in `dir` hold back into its WAL under
-/// `root`, syncs those files, and deletes the segments. Returns the newest
-/// generation found (0 for none).
+/// `root`, syncs those files, and deletes the segments. Every segment is
+/// checked ([`replayable`]) before anything is written, so a journal that
+/// lost synced records leaves every file as it found it. Returns the
+/// newest segment's number (0 for none).
 fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
     let segments = segments(dir)?;
-    let newest = segments.last().map_or(0, |(generation, _)| *generation);
+    let Some(newest) = segments.last().map(|segment| segment.seq) else {
+        return Ok(0);
+    };
+    let mut ends = Vec::with_capacity(segments.len());
+    for (n, segment) in segments.iter().enumerate() {
+        let bytes = std::fs::read(&segment.path).map_err(io(&segment.path))?;
+        ends.push(replayable(segment, &bytes, n + 1 == segments.len())?);
+    }
     // A few files open at a time (a journal may name more WALs than the
     // process may open); every one written is synced by name at the end.
     let mut files: HashMap<Vec<u8>, File> = HashMap::new();
     let mut touched: HashSet<Vec<u8>> = HashSet::new();
     let mut records = 0u64;
-    for (generation, path) in &segments {
+    for (segment, end) in segments.iter().zip(ends) {
+        let path = &segment.path;
         let bytes = std::fs::read(path).map_err(io(path))?;
         let mut at = 0;
-        while let Some((record, len)) = bytes.get(at..).and_then(|rest| decode(rest, *generation)) {
+        while at < end {
+            let Some((record, len)) = bytes
+                .get(at..)
+                .and_then(|rest| decode(rest, segment.format, segment.nonce))
+            else {
+                break;
+            };
+            at += len;
+            if record.kind == KIND_END {
+                continue;
+            }
             if !valid_name(record.name) {
                 return Err(JournalError::BadName {
                     path: path.clone(),
-                    at,
+                    at: at - len,
                     name: String::from_utf8_lossy(record.name).into_owned(),
                 });
             }
@@ -848,23 +1079,13 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
             }
             .map_err(io(&target))?;
             records += 1;
-            at += len;
         }
-        if bytes
-            .get(at..)
-            .is_some_and(|rest| rest.iter().any(|&b| b != 0))
-        {
-            tracing::info!(segment = %path.display(), kept = at, dropped = bytes.len() - at, "journal replay: a torn tail was left out (no reply waited for it)");
-        }
-    }
-    if segments.is_empty() {
-        return Ok(newest);
     }
     drop(files);
     let names: Vec<Vec<u8>> = touched.into_iter().collect();
     sync_files(root, names.iter().map(Vec::as_slice))?;
-    for (_, path) in &segments {
-        std::fs::remove_file(path).map_err(io(path))?;
+    for segment in &segments {
+        std::fs::remove_file(&segment.path).map_err(io(&segment.path))?;
     }
     sync_dir(dir)?;
     tracing::info!(
@@ -1024,8 +1245,12 @@ mod tests {
         }
         let journal = cut.path().join(JOURNAL_DIR);
         std::fs::create_dir_all(&journal).unwrap();
-        for (_, segment) in segments(&dir.join(JOURNAL_DIR)).unwrap() {
-            std::fs::copy(&segment, journal.join(segment.file_name().unwrap())).unwrap();
+        for segment in segments(&dir.join(JOURNAL_DIR)).unwrap() {
+            std::fs::copy(
+                &segment.path,
+                journal.join(segment.path.file_name().unwrap()),
+            )
+            .unwrap();
         }
         cut
     }
@@ -1186,12 +1411,9 @@ mod tests {
 
     /// The bytes of the valid records of the one segment in `dir`.
     fn records_len(dir: &Path) -> usize {
-        let (generation, segment) = segments(dir).unwrap()[0].clone();
-        let bytes = std::fs::read(segment).unwrap();
-        let mut at = 0;
-        while let Some((_, len)) = decode(&bytes[at..], generation) {
-            at += len;
-        }
+        let segment = &segments(dir).unwrap()[0];
+        let bytes = std::fs::read(&segment.path).unwrap();
+        let at = replayable(segment, &bytes, true).unwrap();
         assert!(
             bytes[at..].iter().all(|&b| b == 0),
             "zeros follow the records"
@@ -1211,7 +1433,9 @@ mod tests {
         // on (the file is longer than its records: zeros follow them).
         let cut = cut(dir.path(), None);
         let len = records_len(&cut.path().join(JOURNAL_DIR));
-        let (_, segment) = segments(&cut.path().join(JOURNAL_DIR)).unwrap()[0].clone();
+        let segment = segments(&cut.path().join(JOURNAL_DIR)).unwrap()[0]
+            .path
+            .clone();
         let file = OpenOptions::new().write(true).open(&segment).unwrap();
         let torn_at = whole + (len - whole) / 2;
         file.write_all_at(&vec![0; len - torn_at], torn_at as u64)
@@ -1241,7 +1465,7 @@ mod tests {
         assert!(waited, "no full segment waited for its WAL");
         let left = segments(&dir.path().join(JOURNAL_DIR)).unwrap();
         assert!(
-            left.last().unwrap().0 > 3,
+            left.last().unwrap().seq > 3,
             "rotated more than twice: {left:?}"
         );
         // What the deleted segments held is in the WAL file.
@@ -1322,20 +1546,188 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let journal_dir = dir.path().join(JOURNAL_DIR);
         std::fs::create_dir_all(&journal_dir).unwrap();
-        let mut bytes = Vec::new();
-        let entry = Entry {
-            wal: wal(b"../elsewhere.sqlite-wal"),
-            number: 1,
-            kind: KIND_WRITE,
-            offset: 0,
-            start: 0,
-            len: 3,
-        };
-        encode(&mut bytes, 7, &entry, b"abc");
-        std::fs::write(journal_dir.join(segment_name(7)), bytes).unwrap();
+        write_segment(
+            &journal_dir,
+            7,
+            &[vec![(
+                b"../elsewhere.sqlite-wal".to_vec(),
+                0,
+                b"abc".to_vec(),
+            )]],
+        );
         let error = recover(dir.path()).unwrap_err();
         assert!(matches!(error, JournalError::BadName { .. }), "{error}");
         assert!(!dir.path().join("../elsewhere.sqlite-wal").exists());
+    }
+
+    /// One write of a hand-made pass: the WAL's name, the offset, the
+    /// bytes.
+    type Write = (Vec<u8>, u64, Vec<u8>);
+
+    /// Writes segment `seq` into `dir` as [`Segment::append`] lays passes
+    /// out; returns it.
+    fn write_segment(dir: &Path, seq: u64, passes: &[Vec<Write>]) -> SegmentFile {
+        let nonce = seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut bytes = Vec::new();
+        for (n, pass) in passes.iter().enumerate() {
+            let stamp = Stamp {
+                nonce,
+                pass: n as u64 + 1,
+            };
+            let start = bytes.len() as u64;
+            for (name, offset, data) in pass {
+                encode(&mut bytes, stamp, KIND_WRITE, name, *offset, data);
+            }
+            encode(&mut bytes, stamp, KIND_END, &[], start, &[]);
+        }
+        let path = dir.join(segment_name(seq, nonce));
+        std::fs::write(&path, bytes).unwrap();
+        SegmentFile {
+            seq,
+            nonce,
+            format: Format::V2,
+            path,
+        }
+    }
+
+    /// Where pass `pass` (from 1) of `segment` starts and ends.
+    fn pass_bounds(segment: &SegmentFile, pass: u64) -> (usize, usize) {
+        let bytes = std::fs::read(&segment.path).unwrap();
+        let mut at = 0;
+        let mut start = None;
+        while let Some((record, len)) = decode(&bytes[at..], segment.format, segment.nonce) {
+            if record.pass == pass && start.is_none() {
+                start = Some(at);
+            }
+            at += len;
+            if record.pass == pass && record.kind == KIND_END {
+                return (start.unwrap(), at);
+            }
+        }
+        panic!("no pass {pass}");
+    }
+
+    /// Zeros `len` bytes of `path` at `at`, as a lost write leaves them.
+    fn zero(path: &Path, at: usize, len: usize) {
+        let file = OpenOptions::new().write(true).open(path).unwrap();
+        file.write_all_at(&vec![0; len], at as u64).unwrap();
+    }
+
+    fn writes(name: &str, pass: u8) -> Vec<Write> {
+        (0..3)
+            .map(|n| {
+                (
+                    name.as_bytes().to_vec(),
+                    u64::from(pass) * 16 + n * 4,
+                    vec![pass; 4],
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_replay_refuses_synced_records_beyond_a_hole_and_touches_no_file() {
+        // Pass 2 lost a stretch, pass 3 is whole: pass 3 was only written
+        // after pass 2's sync returned, so the hole is in synced data.
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let name = "objects/ab/x.sqlite-wal";
+        let segment = write_segment(
+            &journal_dir,
+            4,
+            &[writes(name, 1), writes(name, 2), writes(name, 3)],
+        );
+        let (start, end) = pass_bounds(&segment, 2);
+        zero(&segment.path, start + 10, end - start - 20);
+        let before = std::fs::read(&segment.path).unwrap();
+        let error = recover(dir.path()).unwrap_err();
+        let JournalError::Lost { path, at, found } = &error else {
+            panic!("{error}");
+        };
+        assert_eq!((path, *at), (&segment.path, start), "{error}");
+        assert!(*found >= end, "{error}");
+        assert!(!dir.path().join(name).exists(), "a WAL was written");
+        assert_eq!(std::fs::read(&segment.path).unwrap(), before);
+    }
+
+    #[test]
+    fn a_torn_last_pass_is_left_out_even_with_its_later_blocks_on_disk() {
+        // The disk's cache wrote the end of pass 2 but not its start: no
+        // sync returned for it, so it is dropped and pass 1 is replayed.
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let name = "objects/ab/x.sqlite-wal";
+        let segment = write_segment(&journal_dir, 4, &[writes(name, 1), writes(name, 2)]);
+        let (start, _) = pass_bounds(&segment, 2);
+        zero(&segment.path, start, 40);
+        recover(dir.path()).unwrap();
+        let mut expected = vec![0; 16];
+        expected.extend_from_slice(&[1; 12]);
+        assert_eq!(std::fs::read(dir.path().join(name)).unwrap(), expected);
+        assert!(segments(&journal_dir).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_newer_segment_means_every_pass_of_the_older_one_was_synced() {
+        // The older segment's last pass lacks its end: it was synced
+        // before the newer segment began, so the loss is refused.
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let name = "objects/ab/x.sqlite-wal";
+        let older = write_segment(&journal_dir, 4, &[writes(name, 1), writes(name, 2)]);
+        write_segment(&journal_dir, 5, &[writes(name, 3)]);
+        let (_, end) = pass_bounds(&older, 2);
+        zero(&older.path, end - 20, 20);
+        let error = recover(dir.path()).unwrap_err();
+        assert!(
+            matches!(&error, JournalError::Lost { path, .. } if *path == older.path),
+            "{error}"
+        );
+        assert!(!dir.path().join(name).exists());
+    }
+
+    #[test]
+    fn records_an_earlier_life_left_in_a_reused_file_are_never_replayed() {
+        // Every life names its segments anew; a record of an earlier life
+        // (its file's blocks, or its name, back after a power cut) right
+        // after this life's records does not decode as one of them.
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let earlier = {
+            let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+            let conn = open(&journal, dir.path());
+            insert(&conn, 0..30);
+            journal.sync().unwrap();
+            let path = segments(&journal_dir).unwrap()[0].path.clone();
+            let bytes = std::fs::read(&path).unwrap();
+            // A crash: the journal is not dropped, so it stays to replay.
+            std::mem::forget(conn);
+            std::mem::forget(journal);
+            (path, bytes)
+        };
+        recover(dir.path()).unwrap();
+        // Synced by the replay: durable.
+        let replayed = std::fs::read(dir.path().join("objects/ab/object.sqlite-wal")).unwrap();
+        let journal = Journal::open(dir.path(), SEGMENT_LIMIT).unwrap();
+        let current = segments(&journal_dir).unwrap()[0].path.clone();
+        assert_ne!(current, earlier.0, "a segment name came back");
+        let conn = open(&journal, dir.path());
+        conn.execute("DELETE FROM rows WHERE n >= 10", []).unwrap();
+        journal.sync().unwrap();
+        let cut = cut(dir.path(), Some(&replayed));
+        // The earlier life's records, right after this life's.
+        let segment = &segments(&cut.path().join(JOURNAL_DIR)).unwrap()[0];
+        let bytes = std::fs::read(&segment.path).unwrap();
+        let end = replayable(segment, &bytes, true).unwrap();
+        let file = OpenOptions::new().write(true).open(&segment.path).unwrap();
+        file.write_all_at(&earlier.1, end as u64).unwrap();
+        drop(file);
+        recover(cut.path()).unwrap();
+        assert_eq!(rows(cut.path()), (0..10).collect::<Vec<_>>());
     }
 
     fn wal(name: &[u8]) -> Arc<Wal> {
@@ -1351,23 +1743,19 @@ mod tests {
         let journal_dir = dir.path().join(JOURNAL_DIR);
         std::fs::create_dir_all(&journal_dir).unwrap();
         let count = REPLAY_OPEN_FILES * 2 + 1;
-        let mut bytes = Vec::new();
-        // Two rounds over every file, so each is reopened after the cache
+        // Two passes over every file, so each is reopened after the cache
         // was emptied.
-        for round in 0..2_u8 {
-            for n in 0..count {
-                let entry = Entry {
-                    wal: wal(format!("objects/{:02x}/{n}.sqlite-wal", n % 7).as_bytes()),
-                    number: 1,
-                    kind: KIND_WRITE,
-                    offset: u64::from(round) * 4,
-                    start: 0,
-                    len: 4,
-                };
-                encode(&mut bytes, 3, &entry, &[round + 1; 4]);
-            }
-        }
-        std::fs::write(journal_dir.join(segment_name(3)), bytes).unwrap();
+        let passes: Vec<_> = (0..2_u8)
+            .map(|round| {
+                (0..count)
+                    .map(|n| {
+                        let name = format!("objects/{:02x}/{n}.sqlite-wal", n % 7);
+                        (name.into_bytes(), u64::from(round) * 4, vec![round + 1; 4])
+                    })
+                    .collect()
+            })
+            .collect();
+        write_segment(&journal_dir, 3, &passes);
         recover(dir.path()).unwrap();
         for n in 0..count {
             let path = dir
@@ -1431,11 +1819,19 @@ mod tests {
         let bytes = std::fs::read(&segment.path).unwrap();
         let mut at = 0;
         let mut read = Vec::new();
-        while let Some((record, len)) = decode(&bytes[at..], 5) {
-            assert_eq!(record.offset, read.len() as u64);
-            read.push(record.data.to_vec());
+        let mut ends = 0;
+        while let Some((record, len)) = decode(&bytes[at..], Format::V2, segment.nonce) {
+            if record.kind == KIND_END {
+                ends += 1;
+                assert_eq!(record.pass, ends);
+            } else {
+                assert_eq!(record.offset, read.len() as u64);
+                assert_eq!(record.pass, ends + 1);
+                read.push(record.data.to_vec());
+            }
             at += len;
         }
+        assert_eq!(ends, sizes.len() as u64, "one end record a pass");
         assert_eq!(at as u64, segment.len);
         assert!(
             bytes[at..].iter().all(|&b| b == 0),
@@ -1479,27 +1875,28 @@ mod tests {
     }
 
     #[test]
-    fn records_of_another_generation_or_with_a_bad_checksum_do_not_decode() {
-        let entry = Entry {
-            wal: wal(b"objects/ab/x.sqlite-wal"),
-            number: 1,
-            kind: KIND_WRITE,
-            offset: 4096,
-            start: 0,
-            len: 5,
-        };
+    fn records_of_another_segment_or_with_a_bad_checksum_do_not_decode() {
+        let stamp = Stamp { nonce: 3, pass: 9 };
         let mut bytes = Vec::new();
-        encode(&mut bytes, 3, &entry, b"hello");
-        let (record, len) = decode(&bytes, 3).unwrap();
-        assert_eq!(
-            (record.offset, record.data, len),
-            (4096, &b"hello"[..], bytes.len())
+        encode(
+            &mut bytes,
+            stamp,
+            KIND_WRITE,
+            b"objects/ab/x.sqlite-wal",
+            4096,
+            b"hello",
         );
-        assert!(decode(&bytes, 4).is_none());
+        let (record, len) = decode(&bytes, Format::V2, 3).unwrap();
+        assert_eq!(
+            (record.offset, record.data, record.pass, len),
+            (4096, &b"hello"[..], 9, bytes.len())
+        );
+        assert!(decode(&bytes, Format::V2, 4).is_none());
+        assert!(decode(&bytes, Format::V1, 3).is_none());
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
-        assert!(decode(&bytes, 3).is_none());
-        assert!(decode(&bytes[..10], 3).is_none());
+        assert!(decode(&bytes, Format::V2, 3).is_none());
+        assert!(decode(&bytes[..10], Format::V2, 3).is_none());
     }
 
     #[test]
