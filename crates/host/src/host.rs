@@ -346,7 +346,7 @@ impl HostBuilder {
                 rule: "must be a non-negative safe integer of milliseconds",
             });
         }
-        std::fs::create_dir_all(&self.data_dir).map_err(|e| HostError::Io {
+        crate::directory::create_durably(&self.data_dir).map_err(|e| HostError::Io {
             path: self.data_dir.clone(),
             message: e.to_string(),
         })?;

@@ -270,7 +270,7 @@ impl Journal {
     /// the VFS object connections must use ([`Journal::vfs_name`]).
     pub(crate) fn open(data_dir: &Path, limit: u64) -> Result<Arc<Journal>, JournalError> {
         let dir = data_dir.join(JOURNAL_DIR);
-        std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+        crate::directory::create_durably(&dir).map_err(io(&dir))?;
         let newest = replay(data_dir, &dir)?;
         let segment = Segment::create(&dir, newest + 1)?;
         let sqlite_root = sqlite_path(data_dir)?;
@@ -1062,7 +1062,7 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
                 std::collections::hash_map::Entry::Occupied(file) => file.into_mut(),
                 std::collections::hash_map::Entry::Vacant(slot) => {
                     if let Some(parent) = target.parent() {
-                        std::fs::create_dir_all(parent).map_err(io(parent))?;
+                        crate::directory::create_durably(parent).map_err(io(parent))?;
                     }
                     let file = OpenOptions::new()
                         .write(true)
@@ -1126,9 +1126,7 @@ fn sync_files<'a>(root: &Path, names: impl Iterator<Item = &'a [u8]>) -> Result<
 }
 
 fn sync_dir(dir: &Path) -> Result<(), JournalError> {
-    File::open(dir)
-        .and_then(|file| file.sync_all())
-        .map_err(io(dir))
+    crate::directory::sync(dir).map_err(io(dir))
 }
 
 /// `dir` as SQLite's platform VFS names it (absolute, links resolved),

@@ -34,6 +34,7 @@
 
 mod clock;
 mod context;
+mod directory;
 mod error;
 mod executor;
 mod flush;

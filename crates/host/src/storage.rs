@@ -128,7 +128,9 @@ impl ObjectStorage {
         // No sync image may be copied while the file is being made.
         let files = group.as_ref().and_then(|g| g.hold_files());
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| StorageError::Unavailable {
+            // A new `objects/xx` must not vanish at a power cut with the
+            // files made in it.
+            crate::directory::create_durably(dir).map_err(|e| StorageError::Unavailable {
                 message: format!("cannot create {}: {e}", dir.display()),
             })?;
             if !path.exists() {
