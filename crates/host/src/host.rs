@@ -871,7 +871,9 @@ impl<T: DurableObject> Stub<T> {
 /// that read the files of a host that stopped without a clean shutdown,
 /// and for power-cut tests. Takes the data directory's lock, so it fails
 /// with [`HostError::DataDirInUse`] while a host serves the directory. A
-/// directory without a journal is left as it is.
+/// directory without a journal is left as it is. A journal that lost
+/// records a sync had made durable fails with [`HostError::JournalLost`]
+/// and leaves every file as it was.
 pub fn replay_journal(data_dir: &Path) -> Result<(), HostError> {
     let _lock = lock_data_dir(data_dir)?;
     journal::recover(data_dir).map_err(|e| journal_error(data_dir, &e))
