@@ -11,6 +11,7 @@ mod bench;
 mod demo;
 mod fuzz;
 mod inspect;
+mod modes;
 mod serve;
 mod torture;
 

@@ -58,8 +58,8 @@ use durability::{HandlerError, Scheduler};
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
 use rusqlite::{Connection, OptionalExtension, params};
 
-use super::modes::Mode;
 use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
+use crate::modes::Mode;
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "fanout";

@@ -32,10 +32,10 @@ use durability_platform::{AlarmInfo, Context, EpochMs, StorageError, StorageExt,
 use indicatif::ProgressBar;
 use tokio::sync::mpsc;
 
-use super::modes::{self, Mode};
 use super::rss;
 use super::sqlite_floor::{self, SyncMode, WRITE_SQL, WRITE_VALUE, WRITES_TABLE_SQL};
 use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
+use crate::modes::{self, Mode};
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "host-calls";

@@ -15,7 +15,6 @@ mod host_calls;
 mod index_rebuild;
 mod latency;
 mod log;
-mod modes;
 mod operations;
 mod report;
 mod routing;

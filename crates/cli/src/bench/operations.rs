@@ -28,10 +28,10 @@ use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
 use tokio::sync::Notify;
 
 use super::host_calls::{count, drive};
-use super::modes::MODES;
 use super::rss;
 use super::sqlite_floor::{self, SyncMode};
 use super::{BenchEnv, BenchError, Measurement, ScenarioReport};
+use crate::modes::MODES;
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "operations";

@@ -232,7 +232,7 @@ impl Workload for AlarmsWorkload {
             )?;
             rows.extend(read);
         }
-        let mut tally = Tally::default();
+        let mut tally = run.tally();
         tally.detail("torn_journal_lines", produced.torn + handled.torn);
         let ledger = Ledger::check(&handled.lines, MAX_ATTEMPTS, &mut tally);
         Ok(check_facts(

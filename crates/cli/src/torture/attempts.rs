@@ -8,16 +8,26 @@
 //! - within one process, one record never has two handlers running at once
 //!   (across generations too: a named alarm's replacement waits).
 //!
+//! A power cut in a mode whose [`Allowance`] permits extra runs may take
+//! back a claim that was not durable yet: its attempt number then runs
+//! again in a later life (a *reclaimed* attempt, not a duplicate), and a
+//! record may run more often than its maximum by as many runs as the
+//! allowance says; those runs count in `over_attempts_allowed`, any beyond
+//! them are over attempts.
+//!
 //! What remains is a ledger of how each attempt returned, which the
 //! workload's checker compares with the stored settlements.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::verdict::{Tally, Violation};
+use super::verdict::{ExtraRuns, Tally, Violation};
 use super::workload::{AttemptFact, Outcome};
 
 /// One attempt: object, key, generation, attempt number.
 type AttemptKey = (String, String, String, u32);
+
+/// One record's attempts: object, key, generation.
+type RecordKey<'a> = (&'a str, &'a str, &'a str);
 
 /// How every journaled attempt returned.
 #[derive(Debug, Default)]
@@ -29,7 +39,12 @@ impl Ledger {
     /// Checks `facts` (in journal order) and keeps their outcomes.
     pub fn check(facts: &[AttemptFact], max_attempts: u32, tally: &mut Tally) -> Ledger {
         let mut ledger = Ledger::default();
-        let mut began: HashSet<AttemptKey> = HashSet::new();
+        let extra_runs = tally.allowance().extra_runs;
+        // Per attempt: the life it first began in.
+        let mut began: HashMap<AttemptKey, u32> = HashMap::new();
+        // Per record: handler runs begun, repeats included.
+        let mut runs: HashMap<RecordKey<'_>, u32> = HashMap::new();
+        let mut reclaimed = 0_u64;
         let mut over: HashSet<AttemptKey> = HashSet::new();
         // Per (life, object, key): the attempt whose handler is running.
         let mut running: HashMap<(u32, &str, &str), u32> = HashMap::new();
@@ -54,15 +69,29 @@ impl Ledger {
             let slot = (fact.life, fact.object.as_str(), fact.key.as_str());
             match fact.returned {
                 None => {
-                    if !began.insert(key) {
-                        tally.flag(
+                    match began.get(&key) {
+                        None => {
+                            began.insert(key, fact.life);
+                        }
+                        Some(&first) if first < fact.life && extra_runs != ExtraRuns::None => {
+                            reclaimed += 1;
+                        }
+                        Some(_) => tally.flag(
                             Violation::Broken("duplicate_attempts"),
                             format!(
                                 "{} ran attempt {} of generation {} twice",
                                 fact.key, fact.attempt, fact.generation
                             ),
-                        );
+                        ),
                     }
+                    let record = (
+                        fact.object.as_str(),
+                        fact.key.as_str(),
+                        fact.generation.as_str(),
+                    );
+                    let count = runs.entry(record).or_default();
+                    *count += 1;
+                    check_runs(fact, *count, max_attempts, extra_runs, tally);
                     if let Some(other) = running.insert(slot, fact.attempt) {
                         tally.flag(
                             Violation::Broken("overlapping_handlers"),
@@ -100,6 +129,10 @@ impl Ledger {
             invocations.saturating_sub(returns),
         );
         tally.detail("retry_invocations", retries);
+        if extra_runs != ExtraRuns::None {
+            // Attempt numbers a cut took back and a later life ran again.
+            tally.detail("reclaimed_attempts", reclaimed);
+        }
         tally.detail(
             "returned",
             serde_json::to_value(&outcomes).unwrap_or_default(),
@@ -127,6 +160,35 @@ impl Ledger {
     }
 }
 
+/// Checks a record's `runs`-th handler run against its maximum and what
+/// the allowance adds to it. Without an allowance the attempt numbers say
+/// it all (a run beyond the maximum has a number beyond it or repeats one).
+fn check_runs(
+    fact: &AttemptFact,
+    runs: u32,
+    max_attempts: u32,
+    extra_runs: ExtraRuns,
+    tally: &mut Tally,
+) {
+    let allowed = match extra_runs {
+        ExtraRuns::None => return,
+        ExtraRuns::One => max_attempts.saturating_add(1),
+        ExtraRuns::Unbounded => u32::MAX,
+    };
+    if runs <= max_attempts {
+        return;
+    }
+    let message = format!(
+        "{} of generation {} ran {runs} times (max_attempts {max_attempts}; attempt {} in life {})",
+        fact.key, fact.generation, fact.attempt, fact.life
+    );
+    if runs <= allowed {
+        tally.allow_extra_run(message);
+    } else {
+        tally.flag(Violation::OverAttempts, message);
+    }
+}
+
 fn outcome_name(outcome: Outcome) -> &'static str {
     match outcome {
         Outcome::Ok => "ok",
@@ -138,6 +200,7 @@ fn outcome_name(outcome: Outcome) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::torture::verdict::Allowance;
 
     fn fact(attempt: u32, life: u32, returned: Option<Outcome>) -> AttemptFact {
         AttemptFact {
@@ -175,6 +238,59 @@ mod tests {
         let facts = [fact(1, 0, None), fact(2, 0, None)];
         Ledger::check(&facts, 5, &mut tally);
         assert_eq!(tally.broken.get("overlapping_handlers"), Some(&1));
+    }
+
+    fn power_cut_tally(extra_runs: ExtraRuns) -> Tally {
+        Tally::allowing(Allowance {
+            lost: false,
+            extra_runs,
+        })
+    }
+
+    #[test]
+    fn an_attempt_a_cut_took_back_may_run_again_in_a_later_life() {
+        let mut tally = power_cut_tally(ExtraRuns::One);
+        let t = Some(Outcome::Transient);
+        let facts = [
+            fact(1, 0, None),
+            fact(1, 0, t),
+            fact(1, 1, None),
+            fact(1, 1, t),
+            fact(2, 1, None),
+        ];
+        Ledger::check(&facts, 5, &mut tally);
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.detail.get("reclaimed_attempts"), Some(&1.into()));
+    }
+
+    #[test]
+    fn group_commit_after_a_power_cut_allows_one_run_beyond_max_attempts() {
+        // Attempt 2 (the last) was claimed, ran, and its claim was lost.
+        let t = Some(Outcome::Transient);
+        let once_more = [
+            fact(1, 0, None),
+            fact(1, 0, t),
+            fact(2, 0, None),
+            fact(2, 1, None),
+        ];
+        let mut tally = power_cut_tally(ExtraRuns::One);
+        Ledger::check(&once_more, 2, &mut tally);
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.over_attempts_allowed, 1);
+
+        let twice_more = [once_more.as_slice(), &[fact(2, 2, None)]].concat();
+        let mut tally = power_cut_tally(ExtraRuns::One);
+        Ledger::check(&twice_more, 2, &mut tally);
+        assert_eq!((tally.over_attempts_allowed, tally.over_attempts), (1, 1));
+    }
+
+    #[test]
+    fn without_an_allowance_a_repeat_in_a_later_life_is_a_duplicate() {
+        let mut tally = Tally::default();
+        let facts = [fact(2, 0, None), fact(2, 1, None)];
+        Ledger::check(&facts, 2, &mut tally);
+        assert_eq!(tally.broken.get("duplicate_attempts"), Some(&1));
+        assert_eq!(tally.over_attempts_allowed, 0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The child's side of a torture run: one life of a workload on the
-//! thread-mode host over the run's data directory.
+//! thread-mode host, in the run's durability mode, over the run's data
+//! directory.
 //!
 //! An ordinary life produces its quota and keeps its consumers and handlers
 //! running until the supervisor kills it; it never ends by itself (except
@@ -13,7 +14,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use durability::fanout::INFRASTRUCTURE_RETRY;
-use durability_host::{Host, Synchronous};
+use durability_host::Host;
 use tokio::time::Instant;
 
 use super::TortureError;
@@ -67,12 +68,14 @@ pub fn live<W: Workload>(life: &Life) -> Result<Ending, TortureError> {
         .build()
         .map_err(|source| TortureError::Runtime { source })?;
     runtime.block_on(async {
-        // The host's default durability mode (group commit with output
-        // gates): what a producer journals as accepted is a reply the gate
-        // released, and a SIGKILL must lose none of it.
-        let host = Host::builder(life.files.data())
+        // In every mode what a producer journals as accepted is a reply the
+        // host returned, and a SIGKILL must lose none of it; a power cut
+        // may lose what the mode's table says (default: nothing a
+        // released reply depended on).
+        let host = life
+            .mode
+            .builder(&life.files.data())
             .threads(HOST_THREADS)
-            .synchronous(Synchronous::Batched)
             .build()?;
         let outcome = run_life::<W>(&host, life).await;
         // Only a final life gets here normally; it closes every file cleanly

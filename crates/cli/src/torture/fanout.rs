@@ -577,7 +577,7 @@ impl Workload for FanoutWorkload {
                 .parked
                 .extend(parked.into_iter().map(|row| (entry.id.clone(), row)));
         }
-        let mut tally = Tally::default();
+        let mut tally = run.tally();
         tally.detail("torn_journal_lines", produced.torn + handled.torn);
         let attempts: Vec<AttemptFact> = handled
             .lines

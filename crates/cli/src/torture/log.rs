@@ -611,7 +611,7 @@ impl Workload for LogWorkload {
                 },
             );
         }
-        let mut tally = Tally::default();
+        let mut tally = run.tally();
         tally.detail("torn_journal_lines", produced.torn + handled.torn);
         Ok(check_facts(&produced.lines, &handled.lines, &stored, tally))
     }

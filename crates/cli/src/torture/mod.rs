@@ -14,14 +14,23 @@
 //! the run's directory; each workload is one module implementing
 //! [`workload::Workload`]. It must not touch a database the child has open:
 //! the checker runs only after the final child exited.
+//!
+//! With `--power-cut` every death is also a power cut ([`power_cut`]): the
+//! data directory is a power-cut filesystem that drops what was not made
+//! durable, and the checker allows what the durability mode (`--mode`)
+//! lets a power loss undo ([`verdict::Allowance`]). Every run, cut or not,
+//! checks each object's database with `PRAGMA integrity_check`
+//! ([`integrity`]).
 
 mod alarms;
 mod attempts;
 mod child;
 mod fanout;
+mod integrity;
 pub(crate) mod journal;
 mod log;
 mod operations;
+mod power_cut;
 mod recurring;
 mod supervisor;
 mod verdict;
@@ -34,9 +43,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::builder::{PossibleValue, PossibleValuesParser};
+use durability_host::FlushMethod;
 
+use crate::modes::Mode;
+use power_cut::FaultKind;
 pub use verdict::Verdict;
-use verdict::{Tally, WorkloadReport};
+use verdict::{Allowance, Tally, Violation, WorkloadReport};
 use workload::{Files, Finished, Life, Workload};
 
 /// `--workload all` runs every registered workload, in registry order.
@@ -60,9 +72,24 @@ pub struct TortureArgs {
     /// random one, printed with the verdict so a run can be repeated.
     #[arg(long, value_name = "S")]
     seed: Option<u64>,
-    /// Print the verdict as one JSON object (`kills`, `accepted`,
-    /// `completed`, `lost`, `over_attempts`, `stale_settlements`,
-    /// `violations`, per-workload detail) instead of a table.
+    /// The child host's durability mode.
+    #[arg(long, value_name = "MODE", default_value = "default")]
+    mode: Mode,
+    /// Make every death a power cut: the host's data directory is a
+    /// power-cut filesystem (FUSE; needs root and /dev/fuse) that, after
+    /// each kill, drops what was not made durable. The checker then allows
+    /// what --mode lets a power loss undo (README, "Guarantees").
+    #[arg(long)]
+    power_cut: bool,
+    /// With --power-cut, the faults the cuts draw from (comma-separated):
+    /// each death draws one, from the seed.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', requires = "power_cut",
+          default_values = ["drop", "reorder", "metadata", "eio", "enospc"])]
+    faults: Vec<FaultKind>,
+    /// Print the verdict as one JSON object (`power_cut`, `mode`, `kills`,
+    /// `cuts`, `faults`, `accepted`, `completed`, `lost`, `lost_allowed`,
+    /// `over_attempts`, `over_attempts_allowed`, `stale_settlements`,
+    /// `corrupt`, `violations`, per-workload detail) instead of a table.
     #[arg(long)]
     json: bool,
     /// Check the run already in --data-dir again instead of running one
@@ -88,6 +115,9 @@ pub struct ChildArgs {
     /// Items of the whole run.
     #[arg(long)]
     items: u64,
+    /// The host's durability mode.
+    #[arg(long)]
+    mode: Mode,
     /// The final life: finish production, wait until everything accepted is
     /// settled, exit.
     #[arg(long = "final")]
@@ -171,6 +201,19 @@ pub enum TortureError {
     Orphaned { seconds: u64 },
     #[error("unknown workload {name:?}")]
     UnknownWorkload { name: String },
+    #[error("the power-cut filesystem failed: {source}")]
+    PowerCut {
+        #[source]
+        source: durability_powercut::PowerCutError,
+    },
+    #[error(
+        "--mode {mode} cannot be tested with --power-cut: the kernel does not forward syncfs(2) \
+         to a FUSE server, so a cut cannot see what a syncfs makes durable; \
+         use --mode default, default-walfiles, full or normal"
+    )]
+    SyncfsUnderPowerCut { mode: &'static str },
+    #[error("{} records durability mode {key:?}, which this build does not know", path.display())]
+    UnknownMode { key: String, path: PathBuf },
 }
 
 /// One registered workload: its name and its two halves, the child's life
@@ -213,7 +256,13 @@ fn workload_names() -> PossibleValuesParser {
 /// Runs `durability torture` and returns its verdict.
 pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
     let started = Instant::now();
+    if args.power_cut && !args.recheck && args.mode.flush_method() == FlushMethod::Syncfs {
+        return Err(TortureError::SyncfsUnderPowerCut {
+            mode: args.mode.key,
+        });
+    }
     let mut seed = args.seed.unwrap_or_else(rand::random);
+    let (mut power_cut, mut mode) = (args.power_cut, args.mode);
     let selected: Vec<&Entry> = if args.workload == ALL {
         WORKLOADS.iter().collect()
     } else {
@@ -254,26 +303,73 @@ pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
             (files, supervised)
         } else {
             let files = prepare(root.join(entry.name))?;
-            let supervised = supervisor::supervise(entry.name, &files, seed, args.kills)?;
+            let plan = supervisor::Plan {
+                workload: entry.name,
+                seed,
+                kills: args.kills,
+                mode,
+                faults: power_cut.then_some(args.faults.as_slice()),
+            };
+            let supervised = supervisor::supervise(&plan, &files)?;
             supervised.save(&files)?;
             (files, supervised)
         };
+        // A recheck reports how the run it checks was made.
+        (power_cut, mode) = (supervised.power_cut, supervised.mode(&files)?);
         let manifest = supervisor::read_manifest(&files)?;
-        let finished = Finished { files, manifest };
-        let mut tally = (entry.check)(&finished)?;
+        let finished = Finished {
+            databases: if power_cut {
+                files.disk()
+            } else {
+                files.data()
+            },
+            files,
+            manifest,
+            allowance: Allowance::for_run(power_cut, mode),
+        };
+        let mut tally = check(entry, &finished)?;
         supervised.add_to(&mut tally);
         reports.push(WorkloadReport {
             workload: entry.name,
             kills: supervised.kills,
+            faults: supervised.cuts.by_fault.clone(),
             elapsed: began.elapsed(),
             tally,
         });
     }
     Ok(Verdict {
         seed,
+        power_cut,
+        mode,
         reports,
         elapsed: started.elapsed(),
     })
+}
+
+/// Runs the integrity check and the workload's checker on a finished run.
+/// A database the workload's checker cannot read is a `corrupt` object,
+/// not an error of the run (the workload's other checks are then missing,
+/// and the verdict fails).
+fn check(entry: &Entry, finished: &Finished) -> Result<Tally, TortureError> {
+    let (mut tally, unreadable) = match (entry.check)(finished) {
+        Ok(tally) => (tally, None),
+        Err(TortureError::Database { path, source }) => (finished.tally(), Some((path, source))),
+        Err(error) => return Err(error),
+    };
+    let corrupt = integrity::check(finished, &mut tally);
+    if let Some((path, source)) = unreadable {
+        let message = format!(
+            "the {} checker cannot read {}: {source}; its other checks did not run",
+            entry.name,
+            path.display()
+        );
+        if corrupt.contains(&path) {
+            tally.flag(Violation::Broken("unchecked_workloads"), message);
+        } else {
+            tally.flag(Violation::Corrupt, message);
+        }
+    }
+    Ok(tally)
 }
 
 /// Renders a verdict as `--json` asks; also returns whether it passed (the
@@ -304,6 +400,7 @@ pub fn run_child(args: &ChildArgs) -> Result<ExitCode, TortureError> {
         index: args.life,
         is_final: args.is_final,
         items: args.items,
+        mode: args.mode,
         passes: Cell::new(0),
     };
     Ok((entry.life)(&life)?.exit_code())

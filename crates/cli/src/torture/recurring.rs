@@ -295,7 +295,7 @@ impl Workload for RecurringWorkload {
             )?;
             stored.extend(schedules);
         }
-        let mut tally = Tally::default();
+        let mut tally = run.tally();
         tally.detail("torn_journal_lines", ticks.torn + handled.torn);
         Ledger::check(&handled.lines, MAX_ATTEMPTS, &mut tally);
         Ok(check_ticks(&ticks.lines, &stored, tally))

@@ -3,7 +3,10 @@
 //! SIGKILL at a seeded random moment, and lets the final life finish.
 //!
 //! Lives never overlap: a killed child is reaped before the next one starts,
-//! so two processes never serve the same data directory.
+//! so two processes never serve the same data directory. With power cuts
+//! the supervisor also holds the power-cut filesystem for the whole run:
+//! it arms the life's fault before the life starts and cuts once the child
+//! is reaped, so no process has a file of the mount open during a cut.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
@@ -16,8 +19,10 @@ use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::child::{EXIT_UNSETTLED, SETTLE_TIMEOUT};
+use super::power_cut::{CutsDone, FaultKind, PowerCuts};
 use super::verdict::{Tally, Violation};
 use super::workload::{Files, ITEMS_PER_LIFE, Manifest, roll};
+use crate::modes::Mode;
 
 /// The earliest moment after its start that a life is killed, in
 /// milliseconds: before its host has even opened a file.
@@ -36,6 +41,22 @@ const POLL: Duration = Duration::from_millis(10);
 /// Lines of the children's stderr quoted when a life failed.
 const STDERR_TAIL_LINES: usize = 4;
 
+/// The exit code of a child whose life ended with an error (`main`'s
+/// failure code); a panic exits with 101 and a signal with none.
+const EXIT_ERROR: i32 = 1;
+
+/// How one workload is tortured.
+pub struct Plan<'a> {
+    pub workload: &'static str,
+    pub seed: u64,
+    /// Lives killed before the final one.
+    pub kills: u32,
+    /// The child host's durability mode.
+    pub mode: Mode,
+    /// With power cuts, the faults the cuts draw from.
+    pub faults: Option<&'a [FaultKind]>,
+}
+
 /// What happened to the lives of one workload, beyond what the journals
 /// say. Saved in the run directory so `--recheck` can report it again.
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -44,6 +65,19 @@ pub struct Supervised {
     pub seed: u64,
     /// Lives killed with SIGKILL.
     pub kills: u32,
+    /// Whether every death was a power cut.
+    #[serde(default)]
+    pub power_cut: bool,
+    /// The child host's durability mode, by key.
+    #[serde(default = "default_mode_key")]
+    mode: String,
+    /// What the power cuts did.
+    #[serde(default)]
+    pub cuts: CutsDone,
+    /// Lives that ended by themselves with an error after their eio or
+    /// enospc fault was armed: the host refusing to go on, as it must.
+    #[serde(default)]
+    ended_by_fault: Vec<String>,
     /// Lives that ended in a way they must not: an ordinary life that exited
     /// by itself, a final life that failed or never ended.
     failures: Vec<String>,
@@ -68,6 +102,29 @@ impl Supervised {
             );
         }
         tally.detail("final_life_ms", self.final_life_ms);
+        if self.power_cut {
+            let cuts = &self.cuts;
+            tally.detail("cut_files", cuts.files);
+            tally.detail("cut_blocks_dropped", cuts.blocks_dropped);
+            tally.detail("cut_blocks_kept", cuts.blocks_kept);
+            tally.detail("cut_blocks_torn", cuts.blocks_torn);
+            tally.detail("cut_namespace_changes_undone", cuts.undone);
+            tally.detail(
+                "lives_ended_by_fault",
+                u64::try_from(self.ended_by_fault.len()).unwrap_or(u64::MAX),
+            );
+        }
+    }
+
+    /// The run's durability mode.
+    pub fn mode(&self, files: &Files) -> Result<Mode, TortureError> {
+        Mode::ALL
+            .into_iter()
+            .find(|mode| mode.key == self.mode)
+            .ok_or_else(|| TortureError::UnknownMode {
+                key: self.mode.clone(),
+                path: files.supervised(),
+            })
     }
 
     /// Saves the record in the run directory.
@@ -96,22 +153,45 @@ impl Supervised {
     }
 }
 
-/// Runs every life of workload `workload` in `files`: `kills` killed ones,
-/// then the final one.
-pub fn supervise(
-    workload: &str,
-    files: &Files,
-    seed: u64,
-    kills: u32,
-) -> Result<Supervised, TortureError> {
+fn default_mode_key() -> String {
+    Mode::DEFAULT.key.to_owned()
+}
+
+/// Runs every life of the plan's workload in `files`: `kills` killed ones
+/// (each followed by a power cut, with power cuts), then the final one.
+pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureError> {
+    let Plan {
+        workload,
+        seed,
+        kills,
+        mode,
+        faults,
+    } = *plan;
     let items = ITEMS_PER_LIFE.saturating_mul(u64::from(kills) + 1);
     let mut moments = StdRng::seed_from_u64(roll(seed, "kill moments", workload, 0));
     let mut supervised = Supervised {
         seed,
+        power_cut: faults.is_some(),
+        mode: mode.key.to_owned(),
         ..Supervised::default()
     };
+    // Mounted until the final life exited; dropped (unmounted) on every
+    // error return too.
+    let mut power = match faults {
+        Some(faults) => Some(PowerCuts::mount(files, faults, seed, workload)?),
+        None => None,
+    };
+    let life_of = |life, is_final| LifeArgs {
+        workload,
+        seed,
+        life,
+        items,
+        mode,
+        is_final,
+    };
     for life in 0..kills {
-        let mut child = spawn(workload, files, seed, life, items, false)?;
+        let armed = power.as_ref().map(|power| power.arm(life));
+        let mut child = spawn(&life_of(life, false), files)?;
         let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
         std::thread::sleep(Duration::from_millis(delay));
         // An error here means the child already exited; `wait` says how.
@@ -119,16 +199,26 @@ pub fn supervise(
         let status = wait(&mut child, files)?;
         if killed(&status) {
             supervised.kills += 1;
+        } else if armed.is_some_and(|a| a.may_end_by_itself()) && status.code() == Some(EXIT_ERROR)
+        {
+            supervised.ended_by_fault.push(format!(
+                "life {life} ended by itself ({status}) after its {} fault{}",
+                armed.map_or("", |a| a.kind().name()),
+                stderr_tail(files)
+            ));
         } else {
             supervised.failures.push(format!(
                 "life {life} ended by itself ({status}) before it was killed{}",
                 stderr_tail(files)
             ));
         }
+        if let (Some(power), Some(armed)) = (power.as_mut(), armed) {
+            power.cut(armed, life)?;
+        }
     }
 
     let started = Instant::now();
-    let mut child = spawn(workload, files, seed, kills, items, true)?;
+    let mut child = spawn(&life_of(kills, true), files)?;
     let deadline = started + SETTLE_TIMEOUT + FINAL_LIFE_SLACK;
     let status = loop {
         match child.try_wait() {
@@ -164,6 +254,9 @@ pub fn supervise(
             ));
         }
     }
+    if let Some(power) = power.take() {
+        supervised.cuts = power.unmount()?;
+    }
     Ok(supervised)
 }
 
@@ -183,16 +276,27 @@ pub fn read_manifest(files: &Files) -> Result<Manifest, TortureError> {
     }
 }
 
-/// Starts life `life` of `workload`, its stderr appended to the run's
-/// children log under a header naming the life.
-fn spawn(
-    workload: &str,
-    files: &Files,
+/// What one life's child is told (its `ChildArgs`).
+struct LifeArgs {
+    workload: &'static str,
     seed: u64,
     life: u32,
     items: u64,
+    mode: Mode,
     is_final: bool,
-) -> Result<Child, TortureError> {
+}
+
+/// Starts a life, its stderr appended to the run's children log under a
+/// header naming the life.
+fn spawn(args: &LifeArgs, files: &Files) -> Result<Child, TortureError> {
+    let LifeArgs {
+        workload,
+        seed,
+        life,
+        items,
+        mode,
+        is_final,
+    } = *args;
     let log_path = files.children_log();
     let io = |source| TortureError::Io {
         what: "cannot open the children's log",
@@ -227,6 +331,8 @@ fn spawn(
         .arg(life.to_string())
         .arg("--items")
         .arg(items.to_string())
+        .arg("--mode")
+        .arg(mode.key)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log);

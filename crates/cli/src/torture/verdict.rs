@@ -1,12 +1,16 @@
 //! What a torture run concludes: per-workload tallies of facts and
-//! violations, and the verdict over all of them as a table or one JSON
-//! object.
+//! violations, what the run's durability mode lets a power cut undo
+//! ([`Allowance`]), and the verdict over all of them as a table or one
+//! JSON object.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use comfy_table::{CellAlignment, Table, presets::UTF8_FULL_CONDENSED};
+use durability_host::Synchronous;
 use serde_json::{Map, Value, json};
+
+use crate::modes::Mode;
 
 /// Violation messages kept per workload; the counts are always complete.
 const MAX_EXAMPLES: usize = 12;
@@ -21,8 +25,59 @@ pub enum Violation {
     /// A settlement was applied by an attempt that no longer owned the
     /// record (an old generation, an old attempt, a regressed cursor).
     StaleSettlement,
+    /// An object's database fails `PRAGMA integrity_check` or cannot be
+    /// read.
+    Corrupt,
     /// Another invariant of the workload, by name.
     Broken(&'static str),
+}
+
+/// How many more handler runs than `max_attempts` a record may see.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ExtraRuns {
+    /// None: every claimed attempt number is durable before its handler
+    /// runs.
+    #[default]
+    None,
+    /// One: group commit may lose a claimed attempt that was not flushed
+    /// yet, so its number runs again after the cut.
+    One,
+    /// Any number: `synchronous=NORMAL` may lose the last commits,
+    /// settlements included, so the work runs again.
+    Unbounded,
+}
+
+/// What the README's durability-mode table lets a power cut undo in the
+/// run's mode. A kill allows nothing: every mode keeps every commit across
+/// a process crash.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Allowance {
+    /// An accepted item may be lost (`normal`: "an `Accepted` may
+    /// vanish").
+    pub lost: bool,
+    /// Extra handler runs of one record beyond its `max_attempts`, and
+    /// repeats of an attempt number in a later life.
+    pub extra_runs: ExtraRuns,
+}
+
+impl Allowance {
+    /// The allowance of a run in `mode`, with or without power cuts.
+    pub fn for_run(power_cut: bool, mode: Mode) -> Allowance {
+        if !power_cut {
+            return Allowance::default();
+        }
+        match mode.synchronous() {
+            Synchronous::Batched => Allowance {
+                lost: false,
+                extra_runs: ExtraRuns::One,
+            },
+            Synchronous::Normal => Allowance {
+                lost: true,
+                extra_runs: ExtraRuns::Unbounded,
+            },
+            Synchronous::Full => Allowance::default(),
+        }
+    }
 }
 
 /// The checker's findings for one workload.
@@ -35,24 +90,67 @@ pub struct Tally {
     pub lost: u64,
     pub over_attempts: u64,
     pub stale_settlements: u64,
+    /// Object databases that fail `PRAGMA integrity_check` or cannot be
+    /// read.
+    pub corrupt: u64,
+    /// Accepted items lost where the mode allows it (not violations).
+    pub lost_allowed: u64,
+    /// Handler runs beyond `max_attempts` within the mode's allowance (not
+    /// violations).
+    pub over_attempts_allowed: u64,
     /// Other broken invariants, by name.
     pub broken: BTreeMap<&'static str, u64>,
     /// Workload-specific counts (outcomes, retries seen, torn lines).
     pub detail: Map<String, Value>,
+    allowance: Allowance,
     examples: Vec<String>,
+    allowed_examples: Vec<String>,
 }
 
 impl Tally {
-    /// Counts one violation and keeps its message if there is room.
+    /// An empty tally whose checks apply `allowance`.
+    pub fn allowing(allowance: Allowance) -> Tally {
+        Tally {
+            allowance,
+            ..Tally::default()
+        }
+    }
+
+    /// What the run's mode lets a power cut undo.
+    pub fn allowance(&self) -> Allowance {
+        self.allowance
+    }
+
+    /// Counts one violation and keeps its message if there is room. A loss
+    /// the allowance permits is counted in `lost_allowed` instead.
     pub fn flag(&mut self, violation: Violation, message: impl Into<String>) {
         match violation {
+            Violation::Lost if self.allowance.lost => {
+                self.lost_allowed += 1;
+                self.keep_allowed(message.into());
+                return;
+            }
             Violation::Lost => self.lost += 1,
             Violation::OverAttempts => self.over_attempts += 1,
             Violation::StaleSettlement => self.stale_settlements += 1,
+            Violation::Corrupt => self.corrupt += 1,
             Violation::Broken(name) => *self.broken.entry(name).or_default() += 1,
         }
         if self.examples.len() < MAX_EXAMPLES {
             self.examples.push(message.into());
+        }
+    }
+
+    /// Counts a handler run beyond `max_attempts` that the allowance
+    /// permits (the caller checked [`Tally::allowance`]).
+    pub fn allow_extra_run(&mut self, message: impl Into<String>) {
+        self.over_attempts_allowed += 1;
+        self.keep_allowed(message.into());
+    }
+
+    fn keep_allowed(&mut self, message: String) {
+        if self.allowed_examples.len() < MAX_EXAMPLES {
+            self.allowed_examples.push(message);
         }
     }
 
@@ -63,12 +161,21 @@ impl Tally {
 
     /// Every violation counted.
     pub fn violations(&self) -> u64 {
-        self.lost + self.over_attempts + self.stale_settlements + self.broken.values().sum::<u64>()
+        self.lost
+            + self.over_attempts
+            + self.stale_settlements
+            + self.corrupt
+            + self.broken.values().sum::<u64>()
     }
 
     /// The kept violation messages.
     pub fn examples(&self) -> &[String] {
         &self.examples
+    }
+
+    /// The kept messages of what the allowance permitted.
+    pub fn allowed_examples(&self) -> &[String] {
+        &self.allowed_examples
     }
 }
 
@@ -77,14 +184,26 @@ impl Tally {
 pub struct WorkloadReport {
     pub workload: &'static str,
     pub kills: u32,
+    /// Power cuts applied, by fault name (empty without `--power-cut`).
+    pub faults: BTreeMap<String, u32>,
     pub elapsed: Duration,
     pub tally: Tally,
+}
+
+impl WorkloadReport {
+    fn cuts(&self) -> u64 {
+        self.faults.values().map(|&n| u64::from(n)).sum()
+    }
 }
 
 /// The verdict of a whole `durability torture` run.
 #[derive(Debug)]
 pub struct Verdict {
     pub seed: u64,
+    /// Whether every death was a power cut.
+    pub power_cut: bool,
+    /// The host's durability mode.
+    pub mode: Mode,
     pub reports: Vec<WorkloadReport>,
     pub elapsed: Duration,
 }
@@ -92,6 +211,25 @@ pub struct Verdict {
 impl Verdict {
     fn sum(&self, field: impl Fn(&Tally) -> u64) -> u64 {
         self.reports.iter().map(|r| field(&r.tally)).sum()
+    }
+
+    fn kills(&self) -> u64 {
+        self.reports.iter().map(|r| u64::from(r.kills)).sum()
+    }
+
+    fn cuts(&self) -> u64 {
+        self.reports.iter().map(WorkloadReport::cuts).sum()
+    }
+
+    /// The cuts of every workload, by fault name.
+    fn faults(&self) -> BTreeMap<&str, u64> {
+        let mut faults = BTreeMap::new();
+        for report in &self.reports {
+            for (name, &count) in &report.faults {
+                *faults.entry(name.as_str()).or_default() += u64::from(count);
+            }
+        }
+        faults
     }
 
     /// Every violation of every workload.
@@ -113,16 +251,22 @@ impl Verdict {
                 let tally = &report.tally;
                 let value = json!({
                     "kills": report.kills,
+                    "cuts": report.cuts(),
+                    "faults": report.faults,
                     "accepted": tally.accepted,
                     "completed": tally.completed,
                     "lost": tally.lost,
+                    "lost_allowed": tally.lost_allowed,
                     "over_attempts": tally.over_attempts,
+                    "over_attempts_allowed": tally.over_attempts_allowed,
                     "stale_settlements": tally.stale_settlements,
+                    "corrupt": tally.corrupt,
                     "other_violations": tally.broken,
                     "violations": tally.violations(),
                     "duration_ms": millis(report.elapsed),
                     "detail": tally.detail,
                     "examples": tally.examples(),
+                    "allowed_examples": tally.allowed_examples(),
                 });
                 (report.workload.to_owned(), value)
             })
@@ -130,12 +274,19 @@ impl Verdict {
         json!({
             "verdict": if self.passed() { "pass" } else { "fail" },
             "seed": self.seed,
-            "kills": self.reports.iter().map(|r| u64::from(r.kills)).sum::<u64>(),
+            "power_cut": self.power_cut,
+            "mode": self.mode.key,
+            "kills": self.kills(),
+            "cuts": self.cuts(),
+            "faults": self.faults(),
             "accepted": self.sum(|t| t.accepted),
             "completed": self.sum(|t| t.completed),
             "lost": self.sum(|t| t.lost),
+            "lost_allowed": self.sum(|t| t.lost_allowed),
             "over_attempts": self.sum(|t| t.over_attempts),
+            "over_attempts_allowed": self.sum(|t| t.over_attempts_allowed),
             "stale_settlements": self.sum(|t| t.stale_settlements),
+            "corrupt": self.sum(|t| t.corrupt),
             "violations": self.violations(),
             "duration_ms": millis(self.elapsed),
             "workloads": workloads,
@@ -149,11 +300,13 @@ impl Verdict {
         table.set_header(vec![
             "workload",
             "kills",
+            "cuts",
             "accepted",
             "completed",
             "lost",
             "over attempts",
             "stale settlements",
+            "corrupt",
             "other violations",
             "time",
         ]);
@@ -162,16 +315,18 @@ impl Verdict {
             table.add_row(vec![
                 report.workload.to_owned(),
                 report.kills.to_string(),
+                report.cuts().to_string(),
                 tally.accepted.to_string(),
                 tally.completed.to_string(),
                 tally.lost.to_string(),
                 tally.over_attempts.to_string(),
                 tally.stale_settlements.to_string(),
+                tally.corrupt.to_string(),
                 tally.broken.values().sum::<u64>().to_string(),
                 format!("{:.1} s", report.elapsed.as_secs_f64()),
             ]);
         }
-        for column in 1..9 {
+        for column in 1..11 {
             if let Some(column) = table.column_mut(column) {
                 column.set_cell_alignment(CellAlignment::Right);
             }
@@ -184,18 +339,41 @@ impl Verdict {
             for example in report.tally.examples() {
                 text.push_str(&format!("\n{}: {example}", report.workload));
             }
+            let tally = &report.tally;
+            if tally.lost_allowed + tally.over_attempts_allowed > 0 {
+                text.push_str(&format!(
+                    "\n{}: allowed in mode {}: {} lost, {} runs over max_attempts",
+                    report.workload, self.mode.key, tally.lost_allowed, tally.over_attempts_allowed
+                ));
+            }
         }
+        let faults: Vec<String> = self
+            .faults()
+            .iter()
+            .map(|(name, count)| format!("{name} {count}"))
+            .collect();
+        let deaths = if self.power_cut {
+            format!(
+                "{} kills and {} power cuts ({})",
+                self.kills(),
+                self.cuts(),
+                faults.join(", ")
+            )
+        } else {
+            format!("{} kills", self.kills())
+        };
         let verdict = if self.passed() {
             format!(
-                "PASS: every guarantee held over {} kills (seed {}, {:.1} s)",
-                self.reports.iter().map(|r| u64::from(r.kills)).sum::<u64>(),
+                "PASS: every guarantee held over {deaths}, mode {} (seed {}, {:.1} s)",
+                self.mode.key,
                 self.seed,
                 self.elapsed.as_secs_f64()
             )
         } else {
             format!(
-                "FAIL: {} violations (seed {}, {:.1} s); rerun with --seed {} --data-dir DIR to keep the files",
+                "FAIL: {} violations over {deaths}, mode {} (seed {}, {:.1} s); rerun with --seed {} --data-dir DIR to keep the files",
                 self.violations(),
+                self.mode.key,
                 self.seed,
                 self.elapsed.as_secs_f64(),
                 self.seed

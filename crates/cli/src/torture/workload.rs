@@ -29,7 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::journal::Journal;
-use super::verdict::Tally;
+use super::verdict::{Allowance, Tally};
+use crate::modes::Mode;
 
 /// New items each life may add to the run, so that production is spread
 /// over the kills instead of finishing in the first life.
@@ -98,9 +99,17 @@ impl Files {
         &self.dir
     }
 
-    /// The host's data directory.
+    /// The host's data directory (with `--power-cut`, the mountpoint of
+    /// the power-cut filesystem).
     pub fn data(&self) -> PathBuf {
         self.dir.join("data")
+    }
+
+    /// With `--power-cut`, the backing directory of the power-cut
+    /// filesystem: where the data directory's files are once it is
+    /// unmounted.
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join("disk")
     }
 
     /// What the producer saw accepted.
@@ -152,6 +161,8 @@ pub struct Life {
     pub is_final: bool,
     /// Items of the whole run.
     pub items: u64,
+    /// The host's durability mode.
+    pub mode: Mode,
     /// Passes of the consumers so far, so each pass draws anew.
     pub passes: Cell<u64>,
 }
@@ -280,13 +291,47 @@ pub struct ManifestEntry {
     pub file: PathBuf,
 }
 
-/// What the checker gets: the run's files and the object manifest.
+/// What the checker gets: the run's files, the object manifest, where the
+/// data directory's files are now, and what the run's mode allows.
 pub struct Finished {
     pub files: Files,
     pub manifest: Manifest,
+    /// The directory the data directory's files are read from: the data
+    /// directory itself, or after a power-cut run the unmounted
+    /// filesystem's backing directory.
+    pub databases: PathBuf,
+    pub allowance: Allowance,
 }
 
 impl Finished {
+    /// An empty tally that applies the run's allowance.
+    pub fn tally(&self) -> Tally {
+        Tally::allowing(self.allowance)
+    }
+
+    /// Where the object's database is now. The manifest names it as the
+    /// host saw it, under the data directory.
+    pub fn database(&self, entry: &ManifestEntry) -> PathBuf {
+        match entry.file.strip_prefix(self.files.data()) {
+            Ok(relative) => self.databases.join(relative),
+            Err(_) => entry.file.clone(),
+        }
+    }
+
+    /// Opens the object's database read-only; `None` if its file was never
+    /// created (the object never ran).
+    pub fn open(&self, entry: &ManifestEntry) -> rusqlite::Result<Option<Connection>> {
+        let path = self.database(entry);
+        if !path.exists() {
+            return Ok(None);
+        }
+        Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map(Some)
+    }
+
     /// Runs `sql` on the object's database, opened read-only, mapping each
     /// row with `map`. An object whose file or `table` was never created
     /// (it never ran) has no rows.
@@ -297,18 +342,13 @@ impl Finished {
         sql: &str,
         mut map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
     ) -> Result<Vec<T>, TortureError> {
-        if !entry.file.exists() {
-            return Ok(Vec::new());
-        }
         let failed = |source| TortureError::Database {
-            path: entry.file.clone(),
+            path: self.database(entry),
             source,
         };
-        let connection = Connection::open_with_flags(
-            &entry.file,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(failed)?;
+        let Some(connection) = self.open(entry).map_err(failed)? else {
+            return Ok(Vec::new());
+        };
         let exists: i64 = connection
             .query_row(
                 "SELECT count(*) FROM sqlite_master WHERE type IN ('table', 'view') AND name = ?1",
@@ -482,6 +522,7 @@ mod tests {
             index: 3,
             is_final: true,
             items: 20,
+            mode: Mode::DEFAULT,
             passes: Cell::new(0),
         };
         let draws = |life: &Life| -> Vec<u64> {
@@ -503,6 +544,7 @@ mod tests {
             index,
             is_final,
             items: 20,
+            mode: Mode::DEFAULT,
             passes: Cell::new(0),
         };
         assert_eq!(life(0, false).quota(), ITEMS_PER_LIFE);
