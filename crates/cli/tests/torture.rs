@@ -1,7 +1,9 @@
 //! `durability torture` as CI runs it: the built binary supervising real
 //! child processes that it kills with SIGKILL, on real files in temporary
-//! directories. Assertions are about the verdict and the exit code, never
-//! about timing.
+//! directories, and with `--power-cut` on the real FUSE power-cut
+//! filesystem (CI runs as root with /dev/fuse; a run that cannot mount
+//! fails its test). Assertions are about the verdict and the exit code,
+//! never about timing.
 
 use std::fs::OpenOptions;
 use std::io::Write as _;
@@ -67,13 +69,24 @@ fn a_short_torture_of_every_workload_holds_every_guarantee() {
     assert!(output.status.success(), "{}", show(&output));
     let verdict = json_of(&output);
     assert_eq!(verdict["verdict"], "pass", "{verdict:#}");
-    for zero in ["lost", "over_attempts", "stale_settlements", "violations"] {
+    assert_eq!(verdict["power_cut"], false, "{verdict:#}");
+    assert_eq!(verdict["mode"], "default", "{verdict:#}");
+    for zero in [
+        "lost",
+        "lost_allowed",
+        "over_attempts",
+        "over_attempts_allowed",
+        "stale_settlements",
+        "corrupt",
+        "cuts",
+        "violations",
+    ] {
         assert_eq!(field(&verdict, zero), 0, "{zero}: {verdict:#}");
     }
     let workloads = verdict["workloads"]
         .as_object()
         .unwrap_or_else(|| panic!("no workloads: {verdict:#}"));
-    for name in ["operations", "alarms", "log", "fanout", "recurring"] {
+    for name in WORKLOADS {
         assert!(
             workloads.contains_key(name),
             "{name} did not run: {verdict:#}"
@@ -209,4 +222,187 @@ fn torture_refuses_to_clear_a_directory_it_did_not_make() {
     let output = torture(dir.path(), &["--workload", "operations", "--kills", "0"]);
     assert!(!output.status.success(), "{}", show(&output));
     assert!(foreign.join("precious.txt").exists());
+}
+
+/// The workloads `--workload all` runs.
+const WORKLOADS: [&str; 5] = ["operations", "alarms", "log", "fanout", "recurring"];
+
+/// Kills (each one a cut) per workload in the power-cut runs: enough for a
+/// cut in production and one in retries, few enough that four modes of
+/// five workloads fit in CI's budget.
+const POWER_CUT_KILLS: u64 = 2;
+
+/// A short `--power-cut` run of every workload in `mode`: the verdict
+/// passes, nothing accepted is lost (`normal` excepted: its losses are
+/// `lost_allowed`), no database is corrupt, and every death was a cut.
+fn power_cut_torture_holds_the_guarantees_of(mode: &str) -> Value {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let kills = POWER_CUT_KILLS.to_string();
+    let output = torture(
+        dir.path(),
+        &[
+            "--power-cut",
+            "--mode",
+            mode,
+            "--workload",
+            "all",
+            "--kills",
+            &kills,
+        ],
+    );
+    assert!(output.status.success(), "{mode}: {}", show(&output));
+    let verdict = json_of(&output);
+    assert_eq!(verdict["verdict"], "pass", "{verdict:#}");
+    assert_eq!(verdict["power_cut"], true, "{verdict:#}");
+    assert_eq!(verdict["mode"], mode, "{verdict:#}");
+    for zero in [
+        "lost",
+        "over_attempts",
+        "stale_settlements",
+        "corrupt",
+        "violations",
+    ] {
+        assert_eq!(field(&verdict, zero), 0, "{zero}: {verdict:#}");
+    }
+    if mode != "normal" {
+        assert_eq!(field(&verdict, "lost_allowed"), 0, "{verdict:#}");
+    }
+    if mode == "full" {
+        assert_eq!(field(&verdict, "over_attempts_allowed"), 0, "{verdict:#}");
+    }
+    let workloads = verdict["workloads"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no workloads: {verdict:#}"));
+    assert_eq!(workloads.len(), WORKLOADS.len(), "{verdict:#}");
+    let mut unsynced_files = 0;
+    for (name, report) in workloads {
+        let detail = &report["detail"];
+        // Every death is a cut; a life whose eio or enospc fault made its
+        // host refuse to go on ended before its kill.
+        assert_eq!(field(report, "cuts"), POWER_CUT_KILLS, "{name}: {report:#}");
+        assert_eq!(
+            field(report, "kills") + field(detail, "lives_ended_by_fault"),
+            POWER_CUT_KILLS,
+            "{name}: {report:#}"
+        );
+        let by_fault: u64 = report["faults"]
+            .as_object()
+            .unwrap_or_else(|| panic!("{name}: no faults: {report:#}"))
+            .values()
+            .filter_map(Value::as_u64)
+            .sum();
+        assert_eq!(by_fault, POWER_CUT_KILLS, "{name}: {report:#}");
+        assert!(field(report, "accepted") > 0, "{name}: {report:#}");
+        assert!(field(detail, "integrity_checked") > 0, "{name}: {report:#}");
+        unsynced_files += field(detail, "cut_files");
+    }
+    // The cuts met data that was not durable yet: the filesystem is really
+    // mounted under the host, and a test on a stub or a plain directory
+    // cannot pass.
+    assert!(
+        unsynced_files > 0,
+        "no cut found anything unsynced: {verdict:#}"
+    );
+    assert_eq!(
+        field(&verdict, "cuts"),
+        POWER_CUT_KILLS * u64::try_from(WORKLOADS.len()).unwrap_or(u64::MAX)
+    );
+    verdict
+}
+
+#[test]
+fn power_cuts_in_the_default_mode_lose_nothing_a_reply_was_released_for() {
+    power_cut_torture_holds_the_guarantees_of("default");
+}
+
+#[test]
+fn power_cuts_in_the_default_mode_with_wal_file_syncs_lose_nothing_a_reply_was_released_for() {
+    power_cut_torture_holds_the_guarantees_of("default-walfiles");
+}
+
+#[test]
+fn power_cuts_in_full_mode_lose_nothing_and_run_no_attempt_twice() {
+    power_cut_torture_holds_the_guarantees_of("full");
+}
+
+#[test]
+fn power_cuts_in_normal_mode_lose_only_what_the_mode_table_allows() {
+    power_cut_torture_holds_the_guarantees_of("normal");
+}
+
+#[test]
+fn a_power_cut_run_refuses_the_syncfs_flush_it_cannot_observe() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = torture(
+        dir.path(),
+        &[
+            "--power-cut",
+            "--mode",
+            "default-syncfs",
+            "--workload",
+            "operations",
+            "--kills",
+            "1",
+        ],
+    );
+    assert!(!output.status.success(), "{}", show(&output));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("syncfs") && stderr.contains("FUSE"),
+        "{}",
+        show(&output)
+    );
+    // Refused before anything ran: no run directory was made.
+    assert!(!dir.path().join("operations").exists(), "{}", show(&output));
+}
+
+#[test]
+fn a_kill_torture_in_full_mode_holds_every_guarantee() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = torture(
+        dir.path(),
+        &["--mode", "full", "--workload", "all", "--kills", "2"],
+    );
+    assert!(output.status.success(), "{}", show(&output));
+    let verdict = json_of(&output);
+    assert_eq!(verdict["verdict"], "pass", "{verdict:#}");
+    assert_eq!(verdict["mode"], "full", "{verdict:#}");
+    assert_eq!(verdict["power_cut"], false, "{verdict:#}");
+    for zero in ["lost", "over_attempts", "corrupt", "cuts", "violations"] {
+        assert_eq!(field(&verdict, zero), 0, "{zero}: {verdict:#}");
+    }
+}
+
+/// The integrity check, on the files of a real run: an object database
+/// with a damaged page is `corrupt`, and fails the command.
+#[test]
+fn the_checker_fails_a_run_whose_object_database_is_damaged() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let output = torture(dir.path(), &["--workload", "operations", "--kills", "1"]);
+    assert!(output.status.success(), "{}", show(&output));
+
+    let manifest = dir.path().join("operations").join("objects.json");
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(&manifest).unwrap_or_else(|e| panic!("read {}: {e}", manifest.display())),
+    )
+    .unwrap_or_else(|e| panic!("manifest: {e}"));
+    let file = manifest["objects"]
+        .as_object()
+        .and_then(|objects| objects.values().next())
+        .and_then(|entry| entry["file"].as_str())
+        .unwrap_or_else(|| panic!("no object file in {manifest:#}"))
+        .to_owned();
+    let mut bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    assert!(bytes.len() > 8192, "{file} has one page only");
+    // Every page after the first (the header stays, so SQLite opens it).
+    for byte in bytes.iter_mut().skip(4096) {
+        *byte = 0x5a;
+    }
+    std::fs::write(&file, bytes).unwrap_or_else(|e| panic!("write {file}: {e}"));
+
+    let output = torture(dir.path(), &["--workload", "operations", "--recheck"]);
+    assert!(!output.status.success(), "{}", show(&output));
+    let verdict = json_of(&output);
+    assert_eq!(verdict["verdict"], "fail", "{verdict:#}");
+    assert!(field(&verdict, "corrupt") >= 1, "{verdict:#}");
 }

@@ -242,8 +242,8 @@ mod tests {
 
     fn power_cut_tally(extra_runs: ExtraRuns) -> Tally {
         Tally::allowing(Allowance {
-            lost: false,
             extra_runs,
+            ..Allowance::default()
         })
     }
 

@@ -13,7 +13,8 @@
 //! - a key keeps one offset, and offsets are dense from 0 to the end;
 //! - a page starts at the consumer's cursor and never skips an offset;
 //! - cursors never go back: no page starts below a journaled commit, and no
-//!   stored cursor is behind one (a regression counts as a stale
+//!   stored cursor is behind one (except where a power cut may undo a
+//!   commit whose reply was seen, `normal` mode; a regression counts as a stale
 //!   settlement).
 //!
 //! A third consumer, `leased`, takes ranges with `lease`, then acks, nacks
@@ -743,7 +744,9 @@ fn check_facts(
                 let slot = (object.clone(), consumer.clone());
                 let last = committed.get(&slot).copied().unwrap_or(0);
                 if *from < last {
-                    tally.flag(
+                    tally.flag_or_allow(
+                        tally.allowance().undone_settlements,
+                        "undone_cursor_commits",
                         Violation::StaleSettlement,
                         format!(
                             "{consumer} read from {from} in life {life} after committing {last}: its cursor went back"
@@ -786,7 +789,9 @@ fn check_facts(
                     .entry((object.clone(), consumer.clone()))
                     .or_insert(0);
                 if *offset < *last {
-                    tally.flag(
+                    tally.flag_or_allow(
+                        tally.allowance().undone_settlements,
+                        "undone_cursor_commits",
                         Violation::StaleSettlement,
                         format!("{consumer} committed {offset} in life {life} after {last}"),
                     );
@@ -884,7 +889,9 @@ fn check_facts(
                 .copied()
                 .unwrap_or(0);
             if cursor < last {
-                tally.flag(
+                tally.flag_or_allow(
+                    tally.allowance().undone_settlements,
+                    "undone_cursor_commits",
                     Violation::StaleSettlement,
                     format!("{consumer} on {}: stored cursor {cursor} is behind its journaled commit {last}", short(object)),
                 );
@@ -1126,7 +1133,11 @@ fn check_leases<'a>(
                 if *held && *ack {
                     for offset in *first..=*last {
                         if let Some(other) = acked_by.insert((object.as_str(), offset), batch_id) {
-                            tally.flag(
+                            // An ack undone by a cut leaves its range to be
+                            // leased and acked again.
+                            tally.flag_or_allow(
+                                tally.allowance().undone_settlements,
+                                "undone_acks",
                                 Violation::Broken("acked_twice"),
                                 format!(
                                     "{LEASED_CONSUMER} on {}: offset {offset} acked by {other} and {batch_id}",
@@ -1138,7 +1149,9 @@ fn check_leases<'a>(
                 }
                 let last_cursor = cursors.entry(object.as_str()).or_insert(0);
                 if *cursor < *last_cursor {
-                    tally.flag(
+                    tally.flag_or_allow(
+                        tally.allowance().undone_settlements,
+                        "undone_cursor_commits",
                         Violation::StaleSettlement,
                         format!(
                             "{LEASED_CONSUMER} on {}: cursor {cursor} in life {life} after {last_cursor}",
@@ -1157,7 +1170,9 @@ fn check_leases<'a>(
         passed_unsettled(tally, &attempted, object, cursor, "(stored)");
         let last = cursors.get(object.as_str()).copied().unwrap_or(0);
         if cursor < last {
-            tally.flag(
+            tally.flag_or_allow(
+                tally.allowance().undone_settlements,
+                "undone_cursor_commits",
                 Violation::StaleSettlement,
                 format!(
                     "{LEASED_CONSUMER} on {}: stored cursor {cursor} is behind {last}",

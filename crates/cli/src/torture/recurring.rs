@@ -23,6 +23,12 @@
 //! - and, through the shared attempt ledger, attempts above the maximum and
 //!   overlapping handlers of one name.
 //!
+//! After a power cut in a mode that lets the host's own work run again
+//! (group commit, `normal`), a tick run under two generations in different
+//! lives is a rerun, and a missed count that calls ticks missed whose runs
+//! all came in earlier lives counts runs the cut took back; both are
+//! allowed (`rerun_occurrences`, `forgotten_runs`), not violations.
+//!
 //! The final life ends once every schedule's pending occurrence lies past a
 //! horizon a little after its production, so each schedule ran through that
 //! life too.
@@ -305,10 +311,33 @@ impl Workload for RecurringWorkload {
 /// Everything journaled about one schedule of one object.
 #[derive(Default)]
 struct Runs {
-    /// Tick -> the generations seen running it, and the missed count told.
-    ticks: BTreeMap<EpochMs, (BTreeSet<String>, u64)>,
+    /// Tick -> how it ran.
+    ticks: BTreeMap<EpochMs, TickRuns>,
     /// Generation -> the ticks it ran.
     generations: HashMap<String, BTreeSet<EpochMs>>,
+}
+
+/// The journaled runs of one tick.
+struct TickRuns {
+    /// The generations seen running it, with the lives each ran in.
+    generations: BTreeMap<String, BTreeSet<u32>>,
+    /// The smallest missed count a run of it was told...
+    missed: u64,
+    /// ...and the life of that run.
+    missed_life: u32,
+}
+
+impl TickRuns {
+    /// Whether its generations ran in different lives only: after a power
+    /// cut took back the commit that scheduled the tick, the life after it
+    /// schedules the tick again under a new generation.
+    fn doubled_across_cuts_only(&self) -> bool {
+        let mut lives = BTreeSet::new();
+        self.generations
+            .values()
+            .flatten()
+            .all(|life| lives.insert(*life))
+    }
 }
 
 fn check_ticks(
@@ -316,17 +345,27 @@ fn check_ticks(
     stored: &HashMap<(String, String), Stored>,
     mut tally: Tally,
 ) -> Tally {
+    let reruns = tally.allowance().reruns;
+    // No cut follows the final life (the last one journaled): its runs are
+    // never forgotten.
+    let final_life = facts.iter().map(|f| f.life).max().unwrap_or(0);
     let mut schedules: BTreeMap<(String, String), Runs> = BTreeMap::new();
     for fact in facts {
         let runs = schedules
             .entry((fact.object.clone(), fact.name.clone()))
             .or_default();
-        let (generations, missed) = runs
-            .ticks
-            .entry(fact.tick)
-            .or_insert_with(|| (BTreeSet::new(), fact.missed));
-        generations.insert(fact.generation.clone());
-        *missed = (*missed).min(fact.missed);
+        let tick = runs.ticks.entry(fact.tick).or_insert_with(|| TickRuns {
+            generations: BTreeMap::new(),
+            missed: fact.missed,
+            missed_life: fact.life,
+        });
+        tick.generations
+            .entry(fact.generation.clone())
+            .or_default()
+            .insert(fact.life);
+        if fact.missed < tick.missed {
+            (tick.missed, tick.missed_life) = (fact.missed, fact.life);
+        }
         runs.generations
             .entry(fact.generation.clone())
             .or_default()
@@ -354,9 +393,12 @@ fn check_ticks(
             );
             continue;
         };
-        for (tick, (generations, _)) in &runs.ticks {
+        for (tick, tick_runs) in &runs.ticks {
+            let generations = &tick_runs.generations;
             if generations.len() > 1 {
-                tally.flag(
+                tally.flag_or_allow(
+                    reruns && tick_runs.doubled_across_cuts_only(),
+                    "rerun_occurrences",
                     Violation::Broken("doubled_occurrences"),
                     format!(
                         "{name} on {object_short}: tick {tick} ran as {} occurrences ({generations:?})",
@@ -394,13 +436,15 @@ fn check_ticks(
         // to the pending occurrence (told `schedule.missed`).
         let first = (schedule.created_at.div_euclid(interval) + 1) * interval;
         let mut previous = first - interval;
-        let mut steps: Vec<(EpochMs, u64)> = runs
+        // Each step: the tick, the missed count it was told, and the life
+        // that told it.
+        let mut steps: Vec<(EpochMs, u64, u32)> = runs
             .ticks
             .iter()
             .filter(|(tick, _)| **tick < pending)
-            .map(|(tick, (_, missed))| (*tick, *missed))
+            .map(|(tick, runs)| (*tick, runs.missed, runs.missed_life))
             .collect();
-        steps.push((pending, schedule.missed));
+        steps.push((pending, schedule.missed, final_life));
         if let Some((&last, _)) = runs.ticks.last_key_value()
             && last > pending
         {
@@ -409,7 +453,7 @@ fn check_ticks(
                 format!("{name} on {object_short}: tick {last} ran but {pending} is still pending"),
             );
         }
-        for (tick, missed) in steps {
+        for (tick, missed, life) in steps {
             let gap = (tick - previous) / interval - 1;
             let gap = u64::try_from(gap).unwrap_or(0);
             due += gap + 1;
@@ -424,7 +468,17 @@ fn check_ticks(
                     );
                 }
             } else if gap < missed {
-                tally.flag(
+                // The ticks the count calls missed that the journal says
+                // ran: a cut may have taken their runs back, if they ran
+                // only in lives before the one that counted.
+                let since = tick - EpochMs::try_from(missed + 1).unwrap_or(EpochMs::MAX) * interval;
+                let forgotten = runs
+                    .ticks
+                    .range(since + 1..tick)
+                    .all(|(_, earlier)| earlier.generations.values().flatten().all(|&l| l < life));
+                tally.flag_or_allow(
+                    reruns && forgotten,
+                    "forgotten_runs",
                     Violation::Broken("miscounted_missed"),
                     format!(
                         "{name} on {object_short}: tick {tick} was told {missed} missed, but {gap} ticks lie since {previous}"
@@ -454,6 +508,7 @@ fn check_ticks(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::torture::verdict::Allowance;
 
     fn fact(generation: &str, tick: EpochMs, missed: u64) -> TickFact {
         TickFact {
@@ -468,6 +523,27 @@ mod tests {
     }
 
     fn verdict(facts: &[TickFact], pending: EpochMs, missed: u64) -> Tally {
+        verdict_allowing(facts, pending, missed, Allowance::default())
+    }
+
+    fn in_life(mut fact: TickFact, life: u32) -> TickFact {
+        fact.life = life;
+        fact
+    }
+
+    fn after_power_cuts() -> Allowance {
+        Allowance {
+            reruns: true,
+            ..Allowance::default()
+        }
+    }
+
+    fn verdict_allowing(
+        facts: &[TickFact],
+        pending: EpochMs,
+        missed: u64,
+        allowance: Allowance,
+    ) -> Tally {
         let stored = HashMap::from([(
             ("object-1".to_owned(), "skip".to_owned()),
             Stored {
@@ -478,7 +554,7 @@ mod tests {
                 pending: Some(pending),
             },
         )]);
-        check_ticks(facts, &stored, Tally::default())
+        check_ticks(facts, &stored, Tally::allowing(allowance))
     }
 
     #[test]
@@ -519,6 +595,41 @@ mod tests {
     fn a_missed_count_larger_than_the_gap_is_flagged() {
         let facts = [fact("g1", 1_050, 0), fact("g2", 1_200, 3)];
         let tally = verdict(&facts, 1_350, 0);
+        assert_eq!(tally.broken.get("miscounted_missed"), Some(&1));
+    }
+
+    #[test]
+    fn a_tick_a_power_cut_took_back_may_run_again_in_a_later_life() {
+        let facts = [fact("g1", 1_050, 0), in_life(fact("g2", 1_050, 0), 1)];
+        let tally = verdict_allowing(&facts, 1_200, 0, after_power_cuts());
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.allowed.get("rerun_occurrences"), Some(&1));
+        // In one life it is still a doubled occurrence.
+        let facts = [fact("g1", 1_050, 0), fact("g2", 1_050, 0)];
+        let tally = verdict_allowing(&facts, 1_200, 0, after_power_cuts());
+        assert_eq!(tally.broken.get("doubled_occurrences"), Some(&1));
+    }
+
+    #[test]
+    fn a_missed_count_may_not_know_a_run_a_power_cut_took_back() {
+        // 1_200 ran in life 0, the cut took it back, and life 1 counted it
+        // missed at 1_350.
+        let mut told = vec![
+            fact("g1", 1_050, 0),
+            fact("g2", 1_200, 0),
+            in_life(fact("g3", 1_350, 1), 1),
+        ];
+        let tally = verdict_allowing(&told, 1_500, 0, after_power_cuts());
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.allowed.get("forgotten_runs"), Some(&1));
+        // Without the allowance, or with the run in the same life, it is
+        // a miscount.
+        assert_eq!(
+            verdict(&told, 1_500, 0).broken.get("miscounted_missed"),
+            Some(&1)
+        );
+        told[2].life = 0;
+        let tally = verdict_allowing(&told, 1_500, 0, after_power_cuts());
         assert_eq!(tally.broken.get("miscounted_missed"), Some(&1));
     }
 }

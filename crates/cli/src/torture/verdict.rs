@@ -58,6 +58,14 @@ pub struct Allowance {
     /// Extra handler runs of one record beyond its `max_attempts`, and
     /// repeats of an attempt number in a later life.
     pub extra_runs: ExtraRuns,
+    /// Work the host ran by itself may run again after a cut as if it had
+    /// not run (group commit: "an alarm or in-process delivery may run
+    /// again"): a recurring tick under a new occurrence, a missed count
+    /// that does not know the cut-off run.
+    pub reruns: bool,
+    /// A settlement whose reply was seen may be undone (`normal`: "an ack
+    /// or completion may be undone"): a committed log cursor goes back.
+    pub undone_settlements: bool,
 }
 
 impl Allowance {
@@ -70,10 +78,14 @@ impl Allowance {
             Synchronous::Batched => Allowance {
                 lost: false,
                 extra_runs: ExtraRuns::One,
+                reruns: true,
+                undone_settlements: false,
             },
             Synchronous::Normal => Allowance {
                 lost: true,
                 extra_runs: ExtraRuns::Unbounded,
+                reruns: true,
+                undone_settlements: true,
             },
             Synchronous::Full => Allowance::default(),
         }
@@ -100,6 +112,8 @@ pub struct Tally {
     pub over_attempts_allowed: u64,
     /// Other broken invariants, by name.
     pub broken: BTreeMap<&'static str, u64>,
+    /// Other findings the allowance permits (not violations), by name.
+    pub allowed: BTreeMap<&'static str, u64>,
     /// Workload-specific counts (outcomes, retries seen, torn lines).
     pub detail: Map<String, Value>,
     allowance: Allowance,
@@ -146,6 +160,24 @@ impl Tally {
     pub fn allow_extra_run(&mut self, message: impl Into<String>) {
         self.over_attempts_allowed += 1;
         self.keep_allowed(message.into());
+    }
+
+    /// Counts a finding under `name` in `allowed` when `allowed_here`
+    /// (the caller's reading of [`Tally::allowance`]), else flags it as
+    /// `violation`.
+    pub fn flag_or_allow(
+        &mut self,
+        allowed_here: bool,
+        name: &'static str,
+        violation: Violation,
+        message: impl Into<String>,
+    ) {
+        if allowed_here {
+            *self.allowed.entry(name).or_default() += 1;
+            self.keep_allowed(message.into());
+        } else {
+            self.flag(violation, message);
+        }
     }
 
     fn keep_allowed(&mut self, message: String) {
@@ -262,6 +294,7 @@ impl Verdict {
                     "stale_settlements": tally.stale_settlements,
                     "corrupt": tally.corrupt,
                     "other_violations": tally.broken,
+                    "other_allowed": tally.allowed,
                     "violations": tally.violations(),
                     "duration_ms": millis(report.elapsed),
                     "detail": tally.detail,
@@ -340,10 +373,15 @@ impl Verdict {
                 text.push_str(&format!("\n{}: {example}", report.workload));
             }
             let tally = &report.tally;
-            if tally.lost_allowed + tally.over_attempts_allowed > 0 {
+            let others: u64 = tally.allowed.values().sum();
+            if tally.lost_allowed + tally.over_attempts_allowed + others > 0 {
                 text.push_str(&format!(
-                    "\n{}: allowed in mode {}: {} lost, {} runs over max_attempts",
-                    report.workload, self.mode.key, tally.lost_allowed, tally.over_attempts_allowed
+                    "\n{}: allowed in mode {}: {} lost, {} runs over max_attempts, {others} other ({:?})",
+                    report.workload,
+                    self.mode.key,
+                    tally.lost_allowed,
+                    tally.over_attempts_allowed,
+                    tally.allowed
                 ));
             }
         }
