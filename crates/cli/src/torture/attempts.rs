@@ -10,15 +10,17 @@
 //!
 //! A power cut in a mode whose [`Allowance`] permits extra runs may take
 //! back a claim that was not durable yet: its attempt number then runs
-//! again in a later life (a *reclaimed* attempt, not a duplicate), and a
-//! record may run more often than its maximum by as many runs as the
-//! allowance says; those runs count in `over_attempts_allowed`, any beyond
-//! them are over attempts.
+//! again in a later life (a *reclaimed* attempt, not a duplicate). The cut
+//! that took it back is the one after the life the number last began in.
+//! A record may run more often than its maximum by as many runs as the
+//! allowance says (group commit: one per cut that took one of its claims
+//! back); those runs count in `over_attempts_allowed`, any beyond them are
+//! over attempts.
 //!
 //! What remains is a ledger of how each attempt returned, which the
 //! workload's checker compares with the stored settlements.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::verdict::{ExtraRuns, Tally, Violation};
 use super::workload::{AttemptFact, Outcome};
@@ -40,10 +42,11 @@ impl Ledger {
     pub fn check(facts: &[AttemptFact], max_attempts: u32, tally: &mut Tally) -> Ledger {
         let mut ledger = Ledger::default();
         let extra_runs = tally.allowance().extra_runs;
-        // Per attempt: the life it first began in.
+        // Per attempt: the life it last began in.
         let mut began: HashMap<AttemptKey, u32> = HashMap::new();
-        // Per record: handler runs begun, repeats included.
-        let mut runs: HashMap<RecordKey<'_>, u32> = HashMap::new();
+        // Per record: handler runs begun (repeats included), and the lives
+        // after which a cut took one of its claims back.
+        let mut runs: HashMap<RecordKey<'_>, (u32, BTreeSet<u32>)> = HashMap::new();
         let mut reclaimed = 0_u64;
         let mut over: HashSet<AttemptKey> = HashSet::new();
         // Per (life, object, key): the attempt whose handler is running.
@@ -69,12 +72,17 @@ impl Ledger {
             let slot = (fact.life, fact.object.as_str(), fact.key.as_str());
             match fact.returned {
                 None => {
-                    match began.get(&key) {
-                        None => {
-                            began.insert(key, fact.life);
-                        }
-                        Some(&first) if first < fact.life && extra_runs != ExtraRuns::None => {
+                    let record = (
+                        fact.object.as_str(),
+                        fact.key.as_str(),
+                        fact.generation.as_str(),
+                    );
+                    let (count, cuts) = runs.entry(record).or_default();
+                    match began.insert(key, fact.life) {
+                        None => {}
+                        Some(last) if last < fact.life && extra_runs != ExtraRuns::None => {
                             reclaimed += 1;
+                            cuts.insert(last);
                         }
                         Some(_) => tally.flag(
                             Violation::Broken("duplicate_attempts"),
@@ -84,14 +92,8 @@ impl Ledger {
                             ),
                         ),
                     }
-                    let record = (
-                        fact.object.as_str(),
-                        fact.key.as_str(),
-                        fact.generation.as_str(),
-                    );
-                    let count = runs.entry(record).or_default();
                     *count += 1;
-                    check_runs(fact, *count, max_attempts, extra_runs, tally);
+                    check_runs(fact, *count, cuts.len(), max_attempts, extra_runs, tally);
                     if let Some(other) = running.insert(slot, fact.attempt) {
                         tally.flag(
                             Violation::Broken("overlapping_handlers"),
@@ -161,25 +163,29 @@ impl Ledger {
 }
 
 /// Checks a record's `runs`-th handler run against its maximum and what
-/// the allowance adds to it. Without an allowance the attempt numbers say
-/// it all (a run beyond the maximum has a number beyond it or repeats one).
+/// the allowance adds to it, after `cuts` cuts took claims of it back.
+/// Without an allowance the attempt numbers say it all (a run beyond the
+/// maximum has a number beyond it or repeats one).
 fn check_runs(
     fact: &AttemptFact,
     runs: u32,
+    cuts: usize,
     max_attempts: u32,
     extra_runs: ExtraRuns,
     tally: &mut Tally,
 ) {
     let allowed = match extra_runs {
         ExtraRuns::None => return,
-        ExtraRuns::One => max_attempts.saturating_add(1),
+        ExtraRuns::OnePerCut => {
+            max_attempts.saturating_add(u32::try_from(cuts).unwrap_or(u32::MAX))
+        }
         ExtraRuns::Unbounded => u32::MAX,
     };
     if runs <= max_attempts {
         return;
     }
     let message = format!(
-        "{} of generation {} ran {runs} times (max_attempts {max_attempts}; attempt {} in life {})",
+        "{} of generation {} ran {runs} times (max_attempts {max_attempts}; attempt {} in life {}; {cuts} cuts took claims of it back)",
         fact.key, fact.generation, fact.attempt, fact.life
     );
     if runs <= allowed {
@@ -249,7 +255,7 @@ mod tests {
 
     #[test]
     fn an_attempt_a_cut_took_back_may_run_again_in_a_later_life() {
-        let mut tally = power_cut_tally(ExtraRuns::One);
+        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
         let t = Some(Outcome::Transient);
         let facts = [
             fact(1, 0, None),
@@ -264,7 +270,7 @@ mod tests {
     }
 
     #[test]
-    fn group_commit_after_a_power_cut_allows_one_run_beyond_max_attempts() {
+    fn group_commit_allows_one_run_beyond_max_attempts_per_power_cut() {
         // Attempt 2 (the last) was claimed, ran, and its claim was lost.
         let t = Some(Outcome::Transient);
         let once_more = [
@@ -273,14 +279,33 @@ mod tests {
             fact(2, 0, None),
             fact(2, 1, None),
         ];
-        let mut tally = power_cut_tally(ExtraRuns::One);
+        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
         Ledger::check(&once_more, 2, &mut tally);
         assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
         assert_eq!(tally.over_attempts_allowed, 1);
 
+        // A second cut (after life 1) took attempt 2's claim back again.
         let twice_more = [once_more.as_slice(), &[fact(2, 2, None)]].concat();
-        let mut tally = power_cut_tally(ExtraRuns::One);
+        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
         Ledger::check(&twice_more, 2, &mut tally);
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.over_attempts_allowed, 2);
+
+        // One cut cannot take back two claims of life 0 and account for
+        // two extra runs: attempts 1 and 2 of life 0 both ran again.
+        let t = Some(Outcome::Transient);
+        let one_cut_two_runs = [
+            fact(1, 0, None),
+            fact(1, 0, t),
+            fact(2, 0, None),
+            fact(2, 0, t),
+            fact(1, 1, None),
+            fact(1, 1, t),
+            fact(2, 1, None),
+            fact(2, 1, t),
+        ];
+        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
+        Ledger::check(&one_cut_two_runs, 2, &mut tally);
         assert_eq!((tally.over_attempts_allowed, tally.over_attempts), (1, 1));
     }
 

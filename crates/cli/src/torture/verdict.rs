@@ -39,9 +39,12 @@ pub enum ExtraRuns {
     /// runs.
     #[default]
     None,
-    /// One: group commit may lose a claimed attempt that was not flushed
-    /// yet, so its number runs again after the cut.
-    One,
+    /// One per power cut: group commit may lose a claimed attempt that
+    /// was not flushed yet, so its number runs again after the cut ("a
+    /// handler can run once more than `max_attempts` across a power
+    /// loss"). A record that saw several such cuts may run once more per
+    /// cut.
+    OnePerCut,
     /// Any number: `synchronous=NORMAL` may lose the last commits,
     /// settlements included, so the work runs again.
     Unbounded,
@@ -77,7 +80,7 @@ impl Allowance {
         match mode.synchronous() {
             Synchronous::Batched => Allowance {
                 lost: false,
-                extra_runs: ExtraRuns::One,
+                extra_runs: ExtraRuns::OnePerCut,
                 reruns: true,
                 undone_settlements: false,
             },
