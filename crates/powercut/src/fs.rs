@@ -253,6 +253,27 @@ impl PowerCutFilesystem {
         Self::entry(&mut state, &relative)
     }
 
+    /// A second name for a file (the host makes an object's file from a
+    /// synced template this way). The new name is a namespace change like
+    /// a creation: undone, it goes, and the first name stays.
+    fn do_link(&self, ino: INodeNo, parent: INodeNo, name: &OsStr) -> io::Result<FileAttr> {
+        if hidden(parent, name) {
+            return Err(os_error(libc::EPERM));
+        }
+        let mut state = lock(&self.state);
+        let existing = state.backing_of(ino.0)?;
+        let relative = Self::child(&state, parent, name)?;
+        let parent_path = relative.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::hard_link(&existing, state.backing(&relative))?;
+        state.record(
+            Change::Created {
+                path: relative.clone(),
+            },
+            &[&parent_path],
+        )?;
+        Self::entry(&mut state, &relative)
+    }
+
     fn do_mkdir(
         &self,
         parent: INodeNo,
@@ -616,6 +637,33 @@ impl Filesystem for PowerCutFilesystem {
             Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
             Err(e) => reply.error(errno(e)),
         }
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        newparent: INodeNo,
+        newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        match self.do_link(ino, newparent, newname) {
+            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+            Err(e) => reply.error(errno(e)),
+        }
+    }
+
+    /// No extended attributes. `ENOSYS` (fuser's default, without its
+    /// warning) tells the kernel once, and it stops asking on every write.
+    fn getxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: fuser::ReplyXattr,
+    ) {
+        reply.error(Errno::ENOSYS);
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {

@@ -120,7 +120,14 @@ impl InodeTable {
             .filter_map(|(&ino, node)| {
                 let path = node.path.as_deref()?;
                 let rest = path.strip_prefix(from).ok()?;
-                Some((ino, to.join(rest)))
+                // `join("")` would add a trailing separator, and a file
+                // named `a/` is "not a directory".
+                let moved = if rest.as_os_str().is_empty() {
+                    to.to_path_buf()
+                } else {
+                    to.join(rest)
+                };
+                Some((ino, moved))
             })
             .collect();
         for (ino, new_path) in moved {

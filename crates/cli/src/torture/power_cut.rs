@@ -180,9 +180,6 @@ impl PowerCuts {
 
     /// Cuts the power after life `life` died and was reaped.
     pub fn cut(&mut self, armed: Armed, life: u32) -> Result<(), TortureError> {
-        if armed.may_end_by_itself() {
-            self.write_back_under_the_armed_fault();
-        }
         let seed = roll(self.seed, "power cut", self.workload, u64::from(life));
         let report = self
             .fs
@@ -210,23 +207,6 @@ impl PowerCuts {
         done.blocks_torn += report.blocks_torn;
         done.undone += u64::try_from(report.undone).unwrap_or(u64::MAX);
         Ok(())
-    }
-
-    /// Writes back the pages the dead child left dirty in the kernel's
-    /// page cache while its fault is still armed, and ignores the error:
-    /// a page the full disk refuses is lost, as at a real power cut. `cut`
-    /// writes the page cache back itself before it decides what to drop,
-    /// but reports that write-back's failure (the `ENOSPC` the armed
-    /// `fill_at_write` gives it) as a failure of the cut; after this pass
-    /// nothing is left dirty, and the cut's own `syncfs`, on a descriptor
-    /// opened after the failure, reports none.
-    fn write_back_under_the_armed_fault(&self) {
-        let Ok(root) = fs::File::open(self.fs.mountpoint()) else {
-            return;
-        };
-        // SAFETY: syncfs only reads the descriptor, which `root` keeps
-        // open. Its result is the armed fault's, ignored as said above.
-        let _ = unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) };
     }
 
     /// Unmounts, once the final life exited; returns what the cuts did.
