@@ -13,14 +13,16 @@
 //! again in a later life (a *reclaimed* attempt, not a duplicate). The cut
 //! that took it back is the one after the life the number last began in.
 //! A record may run more often than its maximum by as many runs as the
-//! allowance says (group commit: one per cut that took one of its claims
-//! back); those runs count in `over_attempts_allowed`, any beyond them are
-//! over attempts.
+//! allowance says (group commit: one per claim a cut took back, that is
+//! one per reclaimed attempt); those runs count in `over_attempts_allowed`,
+//! any beyond them are over attempts. An attempt *number* beyond the
+//! maximum is over attempts in every mode: a lost claim is claimed again
+//! with the same number, never a higher one.
 //!
 //! What remains is a ledger of how each attempt returned, which the
 //! workload's checker compares with the stored settlements.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::verdict::{ExtraRuns, Tally, Violation};
 use super::workload::{AttemptFact, Outcome};
@@ -44,9 +46,9 @@ impl Ledger {
         let extra_runs = tally.allowance().extra_runs;
         // Per attempt: the life it last began in.
         let mut began: HashMap<AttemptKey, u32> = HashMap::new();
-        // Per record: handler runs begun (repeats included), and the lives
-        // after which a cut took one of its claims back.
-        let mut runs: HashMap<RecordKey<'_>, (u32, BTreeSet<u32>)> = HashMap::new();
+        // Per record: handler runs begun (repeats included), and the claims
+        // of it cuts took back (attempts run again in a later life).
+        let mut runs: HashMap<RecordKey<'_>, (u32, u32)> = HashMap::new();
         let mut reclaimed = 0_u64;
         let mut over: HashSet<AttemptKey> = HashSet::new();
         // Per (life, object, key): the attempt whose handler is running.
@@ -77,12 +79,12 @@ impl Ledger {
                         fact.key.as_str(),
                         fact.generation.as_str(),
                     );
-                    let (count, cuts) = runs.entry(record).or_default();
+                    let (count, taken_back) = runs.entry(record).or_default();
                     match began.insert(key, fact.life) {
                         None => {}
                         Some(last) if last < fact.life && extra_runs != ExtraRuns::None => {
                             reclaimed += 1;
-                            cuts.insert(last);
+                            *taken_back += 1;
                         }
                         Some(_) => tally.flag(
                             Violation::Broken("duplicate_attempts"),
@@ -93,7 +95,7 @@ impl Ledger {
                         ),
                     }
                     *count += 1;
-                    check_runs(fact, *count, cuts.len(), max_attempts, extra_runs, tally);
+                    check_runs(fact, *count, *taken_back, max_attempts, extra_runs, tally);
                     if let Some(other) = running.insert(slot, fact.attempt) {
                         tally.flag(
                             Violation::Broken("overlapping_handlers"),
@@ -163,29 +165,28 @@ impl Ledger {
 }
 
 /// Checks a record's `runs`-th handler run against its maximum and what
-/// the allowance adds to it, after `cuts` cuts took claims of it back.
+/// the allowance adds to it, after cuts took `taken_back` claims of it
+/// back.
 /// Without an allowance the attempt numbers say it all (a run beyond the
 /// maximum has a number beyond it or repeats one).
 fn check_runs(
     fact: &AttemptFact,
     runs: u32,
-    cuts: usize,
+    taken_back: u32,
     max_attempts: u32,
     extra_runs: ExtraRuns,
     tally: &mut Tally,
 ) {
     let allowed = match extra_runs {
         ExtraRuns::None => return,
-        ExtraRuns::OnePerCut => {
-            max_attempts.saturating_add(u32::try_from(cuts).unwrap_or(u32::MAX))
-        }
+        ExtraRuns::Reclaimed => max_attempts.saturating_add(taken_back),
         ExtraRuns::Unbounded => u32::MAX,
     };
     if runs <= max_attempts {
         return;
     }
     let message = format!(
-        "{} of generation {} ran {runs} times (max_attempts {max_attempts}; attempt {} in life {}; {cuts} cuts took claims of it back)",
+        "{} of generation {} ran {runs} times (max_attempts {max_attempts}; attempt {} in life {}; {taken_back} of its claims taken back by cuts)",
         fact.key, fact.generation, fact.attempt, fact.life
     );
     if runs <= allowed {
@@ -255,7 +256,7 @@ mod tests {
 
     #[test]
     fn an_attempt_a_cut_took_back_may_run_again_in_a_later_life() {
-        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
+        let mut tally = power_cut_tally(ExtraRuns::Reclaimed);
         let t = Some(Outcome::Transient);
         let facts = [
             fact(1, 0, None),
@@ -270,7 +271,7 @@ mod tests {
     }
 
     #[test]
-    fn group_commit_allows_one_run_beyond_max_attempts_per_power_cut() {
+    fn group_commit_allows_one_run_beyond_max_attempts_per_claim_a_cut_took_back() {
         // Attempt 2 (the last) was claimed, ran, and its claim was lost.
         let t = Some(Outcome::Transient);
         let once_more = [
@@ -279,20 +280,20 @@ mod tests {
             fact(2, 0, None),
             fact(2, 1, None),
         ];
-        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
+        let mut tally = power_cut_tally(ExtraRuns::Reclaimed);
         Ledger::check(&once_more, 2, &mut tally);
         assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
         assert_eq!(tally.over_attempts_allowed, 1);
 
         // A second cut (after life 1) took attempt 2's claim back again.
         let twice_more = [once_more.as_slice(), &[fact(2, 2, None)]].concat();
-        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
+        let mut tally = power_cut_tally(ExtraRuns::Reclaimed);
         Ledger::check(&twice_more, 2, &mut tally);
         assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
         assert_eq!(tally.over_attempts_allowed, 2);
 
-        // One cut cannot take back two claims of life 0 and account for
-        // two extra runs: attempts 1 and 2 of life 0 both ran again.
+        // One cut may take back two claims (both within its flush
+        // window): attempts 1 and 2 of life 0 both run again.
         let t = Some(Outcome::Transient);
         let one_cut_two_runs = [
             fact(1, 0, None),
@@ -304,9 +305,27 @@ mod tests {
             fact(2, 1, None),
             fact(2, 1, t),
         ];
-        let mut tally = power_cut_tally(ExtraRuns::OnePerCut);
+        let mut tally = power_cut_tally(ExtraRuns::Reclaimed);
         Ledger::check(&one_cut_two_runs, 2, &mut tally);
-        assert_eq!((tally.over_attempts_allowed, tally.over_attempts), (1, 1));
+        assert_eq!((tally.over_attempts_allowed, tally.over_attempts), (2, 0));
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+    }
+
+    #[test]
+    fn an_attempt_number_beyond_the_maximum_is_over_attempts_even_across_cuts() {
+        // A lost claim is claimed again with the same number: a higher one
+        // means the maximum was not checked against what was durable.
+        let mut tally = power_cut_tally(ExtraRuns::Reclaimed);
+        let t = Some(Outcome::Transient);
+        let facts = [
+            fact(1, 0, None),
+            fact(1, 0, t),
+            fact(2, 0, None),
+            fact(2, 0, t),
+            fact(3, 1, None),
+        ];
+        Ledger::check(&facts, 2, &mut tally);
+        assert!(tally.over_attempts >= 1, "{:?}", tally.examples());
     }
 
     #[test]

@@ -39,12 +39,12 @@ pub enum ExtraRuns {
     /// runs.
     #[default]
     None,
-    /// One per power cut: group commit may lose a claimed attempt that
-    /// was not flushed yet, so its number runs again after the cut ("a
-    /// handler can run once more than `max_attempts` across a power
-    /// loss"). A record that saw several such cuts may run once more per
-    /// cut.
-    OnePerCut,
+    /// One per claim a power cut took back: group commit may lose the
+    /// claimed attempts of a record that were not flushed yet (every claim
+    /// of the last flush window, 50 ms), so each of those numbers runs
+    /// again after the cut. Attempt numbers still never exceed
+    /// `max_attempts`.
+    Reclaimed,
     /// Any number: `synchronous=NORMAL` may lose the last commits,
     /// settlements included, so the work runs again.
     Unbounded,
@@ -80,7 +80,7 @@ impl Allowance {
         match mode.synchronous() {
             Synchronous::Batched => Allowance {
                 lost: false,
-                extra_runs: ExtraRuns::OnePerCut,
+                extra_runs: ExtraRuns::Reclaimed,
                 reruns: true,
                 undone_settlements: false,
             },
