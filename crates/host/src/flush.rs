@@ -1250,7 +1250,13 @@ mod tests {
         delay: Duration,
         open_retry: Duration,
     ) -> Arc<GroupCommit> {
-        let (index, _) = AlarmIndex::open(dir, Synchronous::Batched, None).unwrap();
+        let (index, _) = AlarmIndex::open(
+            dir,
+            Path::new(crate::index::BOOT_ID_FILE),
+            Synchronous::Batched,
+            None,
+        )
+        .unwrap();
         GroupCommit::new(
             dir,
             Flush::open(method, dir).unwrap(),

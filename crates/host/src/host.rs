@@ -178,6 +178,7 @@ pub struct HostBuilder {
     flush_method: FlushMethod,
     open_retry_window: Duration,
     sync_images: Option<PathBuf>,
+    boot_id_file: PathBuf,
 }
 
 impl Host {
@@ -194,6 +195,7 @@ impl Host {
             flush_method: FlushMethod::default(),
             open_retry_window: flush::OPEN_RETRY_WINDOW,
             sync_images: None,
+            boot_id_file: PathBuf::from(crate::index::BOOT_ID_FILE),
         }
     }
 }
@@ -239,6 +241,19 @@ impl HostBuilder {
     /// the first failure shuts the gates. Default: 30 s.
     pub fn open_retry_window(mut self, window: Duration) -> Self {
         self.open_retry_window = window;
+        self
+    }
+
+    /// Where the host reads the machine's boot id, which tells it whether
+    /// the machine rebooted since a host stopped without a clean shutdown
+    /// (then a power loss may have kept an object's commit but not the
+    /// alarm index's entry for it, and the index is rebuilt). Default:
+    /// Linux's `/proc/sys/kernel/random/boot_id`; an unreadable file counts
+    /// as a reboot after every unclean stop. For power-cut tests that cut
+    /// a filesystem without rebooting: name a file the test rewrites at
+    /// every cut.
+    pub fn boot_id_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.boot_id_file = path.into();
         self
     }
 
@@ -384,6 +399,7 @@ impl HostBuilder {
             .map_err(|e| journal_error(&self.data_dir, &e))?;
         let (index, rebuild) = AlarmIndex::open(
             &self.data_dir,
+            &self.boot_id_file,
             self.synchronous,
             images.as_ref().map(|(_, lock)| Arc::clone(lock)),
         )?;

@@ -94,7 +94,7 @@ const SCHEMA_SQL: &str = "CREATE TABLE IF NOT EXISTS alarms (
  ) WITHOUT ROWID;";
 
 /// Where Linux tells the boot the machine is in; it changes on every boot.
-const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+pub(crate) const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
 
 /// Why the host rebuilt its alarm index at start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,9 +194,11 @@ impl AlarmIndex {
     /// Opens the index of `data_dir`, rebuilding it from the object files
     /// when it is missing, corrupt or incomplete, or after an unclean stop
     /// and a reboot (see the module docs). `mode` is the host's durability
-    /// mode; `files` is the sync images' lock, when images are taken.
+    /// mode; `files` is the sync images' lock, when images are taken;
+    /// `boot_id_file` names the machine's boot id.
     pub(crate) fn open(
         data_dir: &Path,
+        boot_id_file: &Path,
         mode: Synchronous,
         files: Option<std::sync::Arc<RwLock<()>>>,
     ) -> Result<(Self, Option<IndexRebuild>), HostError> {
@@ -232,7 +234,7 @@ impl AlarmIndex {
             }
             Err(error) => return Err(index_error(storage_error(error))),
         };
-        let boot_id = std::fs::read_to_string(BOOT_ID_FILE)
+        let boot_id = std::fs::read_to_string(boot_id_file)
             .ok()
             .map(|id| id.trim().to_owned());
         let reason = match reason {
@@ -752,7 +754,9 @@ mod tests {
     use crate::flush::WalFile;
 
     fn index(dir: &Path) -> AlarmIndex {
-        AlarmIndex::open(dir, Synchronous::Full, None).unwrap().0
+        AlarmIndex::open(dir, Path::new(BOOT_ID_FILE), Synchronous::Full, None)
+            .unwrap()
+            .0
     }
 
     #[test]

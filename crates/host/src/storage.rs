@@ -824,7 +824,13 @@ mod tests {
     #[test]
     fn a_deferred_index_update_does_not_wait_for_the_sync_delay() {
         let dir = tempfile::tempdir().unwrap();
-        let (index, _) = AlarmIndex::open(dir.path(), Synchronous::Batched, None).unwrap();
+        let (index, _) = AlarmIndex::open(
+            dir.path(),
+            Path::new(crate::index::BOOT_ID_FILE),
+            Synchronous::Batched,
+            None,
+        )
+        .unwrap();
         let index = Arc::new(index);
         let group = GroupCommit::new(
             dir.path(),

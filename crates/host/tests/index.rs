@@ -443,3 +443,34 @@ async fn a_later_or_cleared_alarm_reaches_the_index_when_its_object_closes() {
     })
     .await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_boot_id_file_a_builder_names_decides_whether_the_machine_rebooted() {
+    // A power-cut test cuts a filesystem without a reboot: it names a boot
+    // id file of its own and rewrites it at every cut.
+    let dir = tempfile::tempdir().unwrap();
+    let boot_id = dir.path().join("boot-id");
+    arm(dir.path()).await;
+    as_after_power_loss(dir.path(), "boot-before-the-cut", false);
+    let rebuild_with = |id: &'static str| {
+        let (data, boot_id) = (dir.path().to_path_buf(), boot_id.clone());
+        local(async move {
+            std::fs::write(&boot_id, format!("{id}\n")).unwrap();
+            let host = Host::builder(&data)
+                .threads(0)
+                .clock_start_ms(START_MS)
+                .boot_id_file(&boot_id)
+                .build()
+                .unwrap();
+            let rebuild = host.index_rebuild().map(|r| r.reason);
+            // Not shut down: the stop stays unclean for the next start.
+            drop(host);
+            rebuild
+        })
+    };
+    assert_eq!(rebuild_with("boot-before-the-cut").await, None, "same boot");
+    assert_eq!(
+        rebuild_with("boot-after-the-cut").await,
+        Some(RebuildReason::UncleanReboot)
+    );
+}

@@ -72,11 +72,14 @@ pub fn live<W: Workload>(life: &Life) -> Result<Ending, TortureError> {
         // host returned, and a SIGKILL must lose none of it; a power cut
         // may lose what the mode's table says (default: nothing a
         // released reply depended on).
-        let host = life
-            .mode
-            .builder(&life.files.data())
-            .threads(HOST_THREADS)
-            .build()?;
+        let mut builder = life.mode.builder(&life.files.data()).threads(HOST_THREADS);
+        // With power cuts the supervisor keeps a boot id of its own, new
+        // at every cut, as a reboot after a real power loss would be.
+        let boot_id = life.files.boot_id();
+        if boot_id.exists() {
+            builder = builder.boot_id_file(boot_id);
+        }
+        let host = builder.build()?;
         let outcome = run_life::<W>(&host, life).await;
         // Only a final life gets here normally; it closes every file cleanly
         // so the checker reads settled databases.

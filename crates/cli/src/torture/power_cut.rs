@@ -115,9 +115,26 @@ pub struct CutsDone {
     pub undone: u64,
 }
 
+/// Writes a boot id no earlier boot had: after a cut the host must see a
+/// reboot, as after a real power loss (it then rebuilds its alarm index,
+/// whose entries a cut may take back while it keeps the objects' commits).
+fn new_boot(files: &Files) -> Result<(), TortureError> {
+    let path = files.boot_id();
+    fs::write(
+        &path,
+        format!("torture-boot-{:032x}\n", rand::random::<u128>()),
+    )
+    .map_err(|source| TortureError::Io {
+        what: "cannot write the boot id",
+        path,
+        source,
+    })
+}
+
 /// The power-cut filesystem of one workload's run and the faults it draws
 /// from. Dropping it unmounts (on error paths too).
 pub struct PowerCuts {
+    files: Files,
     fs: PowerCutFs,
     faults: Vec<FaultKind>,
     seed: u64,
@@ -143,12 +160,14 @@ impl PowerCuts {
         }
         let fs = PowerCutFs::mount(&files.disk(), &files.data())
             .map_err(|source| TortureError::PowerCut { source })?;
+        new_boot(files)?;
         let faults = if faults.is_empty() {
             FaultKind::ALL.to_vec()
         } else {
             faults.to_vec()
         };
         Ok(PowerCuts {
+            files: files.clone(),
             fs,
             faults,
             seed,
@@ -185,6 +204,7 @@ impl PowerCuts {
             .fs
             .cut(armed.kind.cut(), seed)
             .map_err(|source| TortureError::PowerCut { source })?;
+        new_boot(&self.files)?;
         tracing::debug!(
             workload = self.workload,
             life,

@@ -112,6 +112,13 @@ impl Files {
         self.dir.join("disk")
     }
 
+    /// The machine's boot id as the child's host reads it, with power
+    /// cuts: a cut of the filesystem is no reboot of this machine, so the
+    /// supervisor writes a new id here at each one.
+    pub fn boot_id(&self) -> PathBuf {
+        self.dir.join("boot-id")
+    }
+
     /// What the producer saw accepted.
     pub fn produced(&self) -> PathBuf {
         self.dir.join("produced.jsonl")
