@@ -910,7 +910,11 @@ fn check_redrives(
             },
             Handled::Attempt(a) => {
                 if retired.contains(&(a.object.as_str(), a.generation.as_str())) {
-                    tally.flag(
+                    // `normal`: a cut may undo the redrive's commit, whose
+                    // reply was seen, and its old identity runs on.
+                    tally.flag_or_allow(
+                        tally.allowance().undone_settlements,
+                        "undone_redrives",
                         Violation::Broken("redriven_delivery_ran_again"),
                         format!(
                             "{} ran attempt {} as {} after that identity was redriven",
@@ -924,7 +928,9 @@ fn check_redrives(
     }
     for (object, parked) in &stored.parked {
         if accepted.contains(&(object.as_str(), parked.delivery_id.as_str())) {
-            tally.flag(
+            tally.flag_or_allow(
+                tally.allowance().undone_settlements,
+                "undone_redrives",
                 Violation::Broken("redriven_still_parked"),
                 format!(
                     "{} on {} is still parked as {} after its redrive was accepted",
