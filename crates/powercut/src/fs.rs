@@ -47,6 +47,22 @@ fn errno(e: io::Error) -> Errno {
     Errno::from(e)
 }
 
+/// Answers an operation that makes or finds a name.
+fn answer_entry(reply: ReplyEntry, result: io::Result<FileAttr>) {
+    match result {
+        Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
+        Err(e) => reply.error(errno(e)),
+    }
+}
+
+/// Answers an operation with nothing to return but success.
+fn answer_empty(reply: ReplyEmpty, result: io::Result<()>) {
+    match result {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(errno(e)),
+    }
+}
+
 fn os_error(code: i32) -> io::Error {
     io::Error::from_raw_os_error(code)
 }
@@ -557,10 +573,7 @@ impl PowerCutFilesystem {
 
 impl Filesystem for PowerCutFilesystem {
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        match self.do_lookup(parent, name) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_entry(reply, self.do_lookup(parent, name));
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
@@ -618,10 +631,7 @@ impl Filesystem for PowerCutFilesystem {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        match self.do_mknod(parent, name, mode, umask) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_entry(reply, self.do_mknod(parent, name, mode, umask));
     }
 
     fn mkdir(
@@ -633,10 +643,7 @@ impl Filesystem for PowerCutFilesystem {
         umask: u32,
         reply: ReplyEntry,
     ) {
-        match self.do_mkdir(parent, name, mode, umask) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_entry(reply, self.do_mkdir(parent, name, mode, umask));
     }
 
     fn link(
@@ -647,10 +654,7 @@ impl Filesystem for PowerCutFilesystem {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        match self.do_link(ino, newparent, newname) {
-            Ok(attr) => reply.entry(&TTL, &attr, Generation(0)),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_entry(reply, self.do_link(ino, newparent, newname));
     }
 
     /// No extended attributes. `ENOSYS` (fuser's default, without its
@@ -667,17 +671,11 @@ impl Filesystem for PowerCutFilesystem {
     }
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.remove(parent, name, false) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(reply, self.remove(parent, name, false));
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
-        match self.remove(parent, name, true) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(reply, self.remove(parent, name, true));
     }
 
     fn rename(
@@ -690,10 +688,10 @@ impl Filesystem for PowerCutFilesystem {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
-        match self.do_rename(parent, name, newparent, newname, flags) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(
+            reply,
+            self.do_rename(parent, name, newparent, newname, flags),
+        );
     }
 
     fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
@@ -776,10 +774,7 @@ impl Filesystem for PowerCutFilesystem {
     ) {
         // fdatasync makes data and size durable exactly as fsync does:
         // the size is the metadata a database's durability depends on.
-        match self.do_fsync(ino, fh) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(reply, self.do_fsync(ino, fh));
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -833,10 +828,7 @@ impl Filesystem for PowerCutFilesystem {
     ) {
         // Not counted by `fail_fsync`: the injected EIO models a data
         // writeback error, and directory syncs have no pages to lose.
-        match self.do_fsyncdir(ino) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(reply, self.do_fsyncdir(ino));
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -856,10 +848,7 @@ impl Filesystem for PowerCutFilesystem {
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
-        match self.do_access(ino, mask) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(errno(e)),
-        }
+        answer_empty(reply, self.do_access(ino, mask));
     }
 
     fn create(
