@@ -59,26 +59,23 @@ mod tests {
     fn a_made_directory_and_a_file_synced_in_it_survive_a_power_cut() {
         // The power-cut filesystem decides what is durable; its metadata
         // cut undoes a seeded number of undurable namespace changes.
-        let dir = tempfile::tempdir().unwrap();
-        let (backing, mountpoint) = (dir.path().join("disk"), dir.path().join("data"));
-        std::fs::create_dir_all(&backing).unwrap();
-        std::fs::create_dir_all(&mountpoint).unwrap();
-        let fs = durability_powercut::PowerCutFs::mount(&backing, &mountpoint)
-            .expect("mounting the power-cut filesystem (needs root and /dev/fuse)");
+        let cut = crate::power_cut::PowerCut::mount();
         for seed in 0..8 {
-            let deep = mountpoint.join(format!("{seed}/objects/ab"));
+            let deep = cut.dir.join(format!("{seed}/objects/ab"));
             create_durably(&deep).unwrap();
             let file = deep.join("object.sqlite");
             std::fs::write(&file, b"synced").unwrap();
             File::open(&file).unwrap().sync_all().unwrap();
             sync(&deep).unwrap();
-            fs.cut(durability_powercut::Fault::Metadata, seed).unwrap();
+            cut.fs
+                .cut(durability_powercut::Fault::Metadata, seed)
+                .unwrap();
             assert_eq!(
                 std::fs::read(&file).unwrap_or_default(),
                 b"synced",
                 "seed {seed}"
             );
         }
-        fs.unmount().unwrap();
+        cut.fs.unmount().unwrap();
     }
 }

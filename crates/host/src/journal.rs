@@ -1740,29 +1740,27 @@ mod tests {
         // database. The power-cut filesystem decides what is durable; its
         // metadata cut undoes a seeded number of undurable namespace
         // changes, newest first (the WAL's deletion is the newest here).
-        let dir = tempfile::tempdir().unwrap();
-        let (backing, mountpoint) = (dir.path().join("disk"), dir.path().join("data"));
-        std::fs::create_dir_all(&backing).unwrap();
-        std::fs::create_dir_all(&mountpoint).unwrap();
-        let fs = durability_powercut::PowerCutFs::mount(&backing, &mountpoint)
-            .expect("mounting the power-cut filesystem (needs root and /dev/fuse)");
-        let journal = Journal::open(&mountpoint, SEGMENT_LIMIT).unwrap();
+        let cut = crate::power_cut::PowerCut::mount();
+        let mountpoint = &cut.dir;
+        let journal = Journal::open(mountpoint, SEGMENT_LIMIT).unwrap();
         for seed in 0..8 {
             let name = format!("object-{seed}");
-            let conn = open_object(&journal, &mountpoint, &name);
+            let conn = open_object(&journal, mountpoint, &name);
             insert(&conn, 0..5);
             journal.sync().unwrap();
             drop(conn);
             let wal = mountpoint.join(format!("objects/ab/{name}.sqlite-wal"));
             assert!(!wal.exists(), "the close deleted the WAL");
-            fs.cut(durability_powercut::Fault::Metadata, seed).unwrap();
+            cut.fs
+                .cut(durability_powercut::Fault::Metadata, seed)
+                .unwrap();
             assert!(
                 !wal.exists(),
                 "seed {seed}: a cut brought the deleted WAL back"
             );
         }
         drop(journal);
-        fs.unmount().unwrap();
+        cut.fs.unmount().unwrap();
     }
 
     fn wal(name: &[u8]) -> Arc<Wal> {

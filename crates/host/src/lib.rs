@@ -43,6 +43,8 @@ mod id;
 mod index;
 pub mod inspect;
 mod journal;
+#[cfg(test)]
+mod power_cut;
 mod residency;
 mod storage;
 pub mod telemetry;
