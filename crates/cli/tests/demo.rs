@@ -193,19 +193,38 @@ fn a_zero_message_run_is_refused_before_anything_is_written() {
 }
 
 #[test]
-fn a_second_demo_on_a_busy_directory_fails_on_the_lock_before_saying_anything_else() {
+fn a_second_demo_on_a_busy_directory_names_the_directory_and_the_holders_pid_and_exits_at_once() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     let mut paused = start_paused(dir.path(), "2000", "2", "2");
+    let holder = paused.child.id();
     // Another plan, so a resume would have had something to say about it.
+    let asked = std::time::Instant::now();
     let second = demo(dir.path(), &["--messages", "500", "--shards", "3"]);
+    let answered_in = asked.elapsed();
     paused
         .child
         .kill()
         .unwrap_or_else(|error| panic!("cannot kill the demo: {error}"));
     let _ = paused.child.wait();
     assert!(!second.status.success(), "{}", show(&second));
+    assert_eq!(second.status.code(), Some(1), "{}", show(&second));
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(stderr.contains("in use by another host"), "{stderr}");
+    assert!(
+        stderr.contains(&dir.path().display().to_string()),
+        "the message does not name the directory: {stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("pid {holder}")),
+        "the message does not name the holder's pid {holder}: {stderr}"
+    );
+    // A bound against waiting for the lock, not a measure of speed: the
+    // refusal comes before any work, the first run would hold the lock for
+    // as long as the test lets it live.
+    assert!(
+        answered_in < std::time::Duration::from_secs(30),
+        "the second demo took {answered_in:?} to give up"
+    );
     assert!(
         !stderr.contains("resum") && !stderr.contains("interrupted"),
         "a false resume line: {stderr}"

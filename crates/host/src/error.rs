@@ -51,13 +51,22 @@ pub enum HostError {
     },
     /// Another host (in this or another process) serves this data
     /// directory. Two hosts on one directory would both run the same
-    /// objects and alarms; the second one is refused.
-    #[error("the data directory {path} is in use by another host (lock file {lock})")]
+    /// objects and alarms; the second one is refused at once, never made to
+    /// wait for the lock.
+    #[error(
+        "the data directory {path} is in use by another host ({}, lock file {lock})",
+        holder_description(*.holder_pid)
+    )]
     DataDirInUse {
         /// The data directory.
         path: PathBuf,
         /// The lock file the other host holds.
         lock: PathBuf,
+        /// The process id the holder wrote into the lock file when it took
+        /// the lock. `None` when the file holds none: a holder that has
+        /// locked it but not written yet, or one of a release that did not
+        /// write it.
+        holder_pid: Option<u32>,
     },
     /// The host journal of an earlier process holds a record that a
     /// returned sync made durable beyond a stretch the disk lost (or
@@ -215,5 +224,13 @@ pub(crate) fn closed_error() -> StorageError {
     StorageError::Unavailable {
         message: "the object's storage is closed (the object was evicted or the host shut down)"
             .into(),
+    }
+}
+
+/// The holder part of [`HostError::DataDirInUse`]'s message.
+fn holder_description(pid: Option<u32>) -> String {
+    match pid {
+        Some(pid) => format!("pid {pid}"),
+        None => "pid unknown".to_owned(),
     }
 }

@@ -498,7 +498,13 @@ fn check_path_length(data_dir: &Path) -> Result<(), HostError> {
 /// lock on.
 pub const DATA_DIR_LOCK_FILE: &str = "host.lock";
 
-/// Takes the data directory's exclusive lock, or says who holds it.
+/// Takes the data directory's exclusive lock and writes this process's id
+/// into the lock file, or says who holds it (the id its holder wrote).
+///
+/// The lock is `flock`'s (std's `File::try_lock`): the kernel releases it
+/// when its holder dies, so a pid left in the file by a dead host names no
+/// one and is overwritten by the next host. The attempt never blocks: a
+/// second host on a busy directory is refused at once.
 fn lock_data_dir(data_dir: &Path) -> Result<File, HostError> {
     let path = data_dir.join(DATA_DIR_LOCK_FILE);
     let io_error = |e: std::io::Error| HostError::Io {
@@ -512,13 +518,41 @@ fn lock_data_dir(data_dir: &Path) -> Result<File, HostError> {
         .open(&path)
         .map_err(io_error)?;
     match file.try_lock() {
-        Ok(()) => Ok(file),
+        Ok(()) => {
+            record_holder(&file, &path);
+            Ok(file)
+        }
         Err(TryLockError::WouldBlock) => Err(HostError::DataDirInUse {
             path: data_dir.to_path_buf(),
             lock: path.clone(),
+            holder_pid: read_holder(&path),
         }),
         Err(TryLockError::Error(e)) => Err(io_error(e)),
     }
+}
+
+/// Writes this process's id into the lock file just taken. Best effort: the
+/// lock is what keeps a second host out, the pid only tells its user who
+/// holds it, so a failure to write it is logged and the host starts.
+fn record_holder(file: &File, path: &Path) {
+    use std::io::{Seek as _, Write as _};
+    let mut file = file;
+    let written = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()));
+    if let Err(error) = written {
+        tracing::warn!(
+            lock = %path.display(),
+            %error,
+            "cannot write this process's id into the data directory's lock file"
+        );
+    }
+}
+
+/// The pid a lock file's holder wrote, if it wrote one.
+fn read_holder(path: &Path) -> Option<u32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 fn start_inline(core: &Arc<HostCore>) -> Result<mpsc::UnboundedSender<Job>, HostError> {

@@ -366,10 +366,16 @@ async fn a_second_host_on_a_served_data_directory_is_refused_until_the_first_shu
     let dir = tempfile::tempdir().unwrap();
     let first = Host::builder(dir.path()).threads(1).build().unwrap();
     let second = Host::builder(dir.path()).threads(1).build();
-    assert!(
-        matches!(second, Err(durability_host::HostError::DataDirInUse { .. })),
-        "two hosts would run the same objects and alarms"
-    );
+    match second {
+        Err(durability_host::HostError::DataDirInUse {
+            path, holder_pid, ..
+        }) => {
+            assert_eq!(path, dir.path());
+            assert_eq!(holder_pid, Some(std::process::id()), "the holder's pid");
+        }
+        Err(other) => panic!("refused for another reason: {other}"),
+        Ok(_) => panic!("two hosts would run the same objects and alarms"),
+    }
     first.shutdown().await;
     let after = Host::builder(dir.path()).threads(1).build().unwrap();
     after.shutdown().await;
@@ -388,9 +394,14 @@ fn a_host_in_another_process_holds_the_directory_until_it_dies() {
         .unwrap();
     lock.lock().unwrap();
     let refused = Host::builder(dir.path()).threads(1).build();
+    // This holder wrote no pid into the file: the error says so rather
+    // than guess.
     assert!(matches!(
         refused,
-        Err(durability_host::HostError::DataDirInUse { .. })
+        Err(durability_host::HostError::DataDirInUse {
+            holder_pid: None,
+            ..
+        })
     ));
     drop(lock);
     let runtime = tokio::runtime::Builder::new_current_thread()

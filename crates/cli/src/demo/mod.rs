@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use durability::OperationResult;
-use durability_host::{Host, Stub};
+use durability_host::{Host, HostError, Stub};
 
 use crate::torture::journal::Journal;
 use facts::{Accounting, Facts, OpenedRun};
@@ -112,6 +112,14 @@ pub enum DemoError {
         #[from]
         source: crate::torture::TortureError,
     },
+    /// Another process serves the data directory: a second checkout's demo
+    /// on the same directory, say. Refused at once, never waited for.
+    #[error(
+        "the data directory {} is in use by another host ({holder}); this demo does not wait \
+         for it: stop that process, or give this run its own --data-dir",
+        path.display()
+    )]
+    DataDirInUse { path: PathBuf, holder: String },
     #[error("the object host failed")]
     Host {
         #[from]
@@ -232,7 +240,17 @@ async fn demo(args: &DemoArgs) -> Result<DemoOutput, DemoError> {
     // file or says anything about resuming.
     let host = Host::builder(&args.data_dir)
         .shutdown_grace(SHUTDOWN_GRACE)
-        .build()?;
+        .build()
+        .map_err(|error| match error {
+            HostError::DataDirInUse {
+                path, holder_pid, ..
+            } => DemoError::DataDirInUse {
+                path,
+                holder: holder_pid
+                    .map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}")),
+            },
+            other => DemoError::Host { source: other },
+        })?;
     let serving = match (args.serve, metrics) {
         (Some(addr), Some(metrics)) => match serve_dashboard(&host, addr, metrics).await {
             Ok(serving) => Some(serving),
