@@ -60,7 +60,7 @@ pub use context::CloudflareContext;
 #[cfg(target_arch = "wasm32")]
 pub use object::{DurableObject, ObjectHost, alarm_info};
 #[cfg(target_arch = "wasm32")]
-pub use storage::CloudflareStorage;
+pub use storage::{CloudflareStorage, SqlCounts};
 
 /// What [`durable_object!`] expands to refers to; not an API.
 #[cfg(target_arch = "wasm32")]

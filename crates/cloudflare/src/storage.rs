@@ -47,6 +47,22 @@ extern "C" {
     ) -> Result<JsValue, JsValue>;
 }
 
+/// What a [`CloudflareStorage`] has sent to the runtime since the object
+/// started, for a benchmark to divide by the items it processed. Each field
+/// is one `Cell` update on its path; reading them costs nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SqlCounts {
+    /// `sql.exec` calls: every statement of the capabilities, plus the
+    /// `SELECT changes()` that follows each [`Sql::execute`].
+    pub statements: u64,
+    /// Parameters bound to those statements (one wasm-to-JavaScript call each).
+    pub parameters: u64,
+    /// Rows [`Sql::query`] read back (one call per row, plus one per cell).
+    pub rows: u64,
+    /// `transactionSync` bodies run.
+    pub transactions: u64,
+}
+
 /// A Durable Object's storage as the contract sees it.
 ///
 /// Created once per object instance by [`CloudflareStorage::load`]; the
@@ -60,6 +76,7 @@ pub struct CloudflareStorage {
     /// Set while a `transactionSync` body runs, so that a nested call fails
     /// with a typed error instead of a runtime exception.
     in_transaction: Cell<bool>,
+    counts: Cell<SqlCounts>,
 }
 
 impl CloudflareStorage {
@@ -75,6 +92,7 @@ impl CloudflareStorage {
             sql,
             alarm: Cell::new(None),
             in_transaction: Cell::new(false),
+            counts: Cell::new(SqlCounts::default()),
         };
         this.refresh_alarm().await?;
         Ok(this)
@@ -94,6 +112,17 @@ impl CloudflareStorage {
         Ok(())
     }
 
+    /// What this storage has sent to the runtime so far.
+    pub fn counts(&self) -> SqlCounts {
+        self.counts.get()
+    }
+
+    fn count(&self, update: impl FnOnce(&mut SqlCounts)) {
+        let mut counts = self.counts.get();
+        update(&mut counts);
+        self.counts.set(counts);
+    }
+
     fn exec(
         &self,
         sql: &str,
@@ -103,6 +132,10 @@ impl CloudflareStorage {
         for value in params {
             bindings.push(&value_to_js(value)?);
         }
+        self.count(|c| {
+            c.statements += 1;
+            c.parameters += params.len() as u64;
+        });
         self.sql
             .exec(sql, bindings)
             .map_err(|e| classify_error(js_message(&e)))
@@ -121,6 +154,7 @@ impl CloudflareStorage {
         let marker: JsValue = Object::new().into();
         let thrown = marker.clone();
         self.in_transaction.set(true);
+        self.count(|c| c.transactions += 1);
         let outcome = self.transactions.transaction_sync(&mut || match body() {
             Ok(()) => Ok(JsValue::UNDEFINED),
             Err(Rollback) => Err(thrown.clone()),
@@ -204,6 +238,7 @@ impl Sql for CloudflareStorage {
             }
             rows.push(Row::new(std::sync::Arc::clone(&columns), values));
         }
+        self.count(|c| c.rows += rows.len() as u64);
         Ok(rows)
     }
 
