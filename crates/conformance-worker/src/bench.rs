@@ -1,7 +1,29 @@
-//! `workerd-bench WORKERD BUILD_DIR [--mails N] [--stamps N]`: the example
-//! mailbox worker (examples/cloudflare-mailbox, built into `BUILD_DIR`)
-//! under a local workerd, measured from outside over HTTP. Prints one JSON
-//! object:
+//! `workerd-bench WORKERD BENCH_BUILD [MAILBOX_BUILD] [--messages N]
+//! [--operations N] [--mails N] [--stamps N]`: durability's speed under a
+//! local workerd. Prints one JSON object.
+//!
+//! **Inside one object** (the shape the reference library is measured in;
+//! the benchmark worker crates/bench-worker, built into `BENCH_BUILD`): one
+//! request per scenario starts a loop inside a fresh object and answers
+//! with the object's own timings and the SQL statements the adapter counted:
+//!
+//! - `fanout_batch_100`, `fanout_batch_10`: `--messages` (default 5,000)
+//!   enqueued in batches of 100 to two targets that ack on return, delivery
+//!   batch 100 and 10; `deliveries_per_sec` from the first enqueue until
+//!   every delivery is acked;
+//! - `operations_1_caller`, `operations_16_callers`: `--operations`
+//!   (default 2,000) no-op operations, each started and awaited, from one
+//!   loop and from 16 concurrent loops inside the object (one request);
+//!   `ops_per_sec`;
+//! - each with `floor_per_sec`: the same number of items, one SQL `INSERT`
+//!   per item, in the same object and request; and the ratios to the floor
+//!   and to the reference library's figures;
+//! - `profile`: the fanout again with its targets paused while enqueueing
+//!   (acceptance and delivery timed apart), and the cost of one statement,
+//!   one JavaScript call and one JSON encode in this runtime.
+//!
+//! **From outside** (when `MAILBOX_BUILD` is given: the example mailbox
+//! worker, examples/cloudflare-mailbox, over HTTP):
 //!
 //! - `floor`: sequential `GET /stats` round trips through the front Worker
 //!   to one object, per second: the cost of a request, measured in the
@@ -13,8 +35,7 @@
 //!   in batches of 100; operations per second from the first registration
 //!   until every one has run.
 //!
-//! Each figure comes with its ratio to the floor. Nothing here is a test:
-//! the numbers move with the machine's load.
+//! Nothing here is a test: the numbers move with the machine's load.
 
 #[path = "workerd.rs"]
 mod workerd;
@@ -27,10 +48,23 @@ use serde_json::{Value, json};
 
 use workerd::{Namespace, Workerd};
 
-const NAMESPACE: Namespace = Namespace {
+const MAILBOX: Namespace = Namespace {
     class: "MailboxObject",
     binding: "MAILBOX",
 };
+const BENCH: Namespace = Namespace {
+    class: "BenchObject",
+    binding: "BENCH",
+};
+/// The reference library's figures in this shape, on this kind of machine
+/// (deliveries/s at delivery batch 100 and 10, operations/s from one caller).
+const REFERENCE_FANOUT_BATCH_100_PER_S: f64 = 4_200.0;
+const REFERENCE_FANOUT_BATCH_10_PER_S: f64 = 800.0;
+const REFERENCE_OPERATIONS_PER_S: f64 = 350.0;
+/// Concurrent callers of the second operations scenario.
+const CONCURRENT_CALLERS: u64 = 16;
+/// How long one in-object scenario may run.
+const SCENARIO_TIMEOUT: Duration = Duration::from_secs(900);
 /// Mails or operations per request.
 const BATCH: usize = 100;
 /// How long the floor is measured.
@@ -75,7 +109,7 @@ fn drain(workerd: &Workerd, done: impl Fn(&[Value]) -> bool) -> Result<(), Strin
     }
 }
 
-fn floor(workerd: &Workerd) -> Result<f64, String> {
+fn request_floor(workerd: &Workerd) -> Result<f64, String> {
     let started = Instant::now();
     let mut requests = 0_u32;
     while started.elapsed() < FLOOR_TIME {
@@ -163,47 +197,175 @@ fn number_flag(args: &[String], name: &str, default: usize) -> Result<usize, Str
     }
 }
 
-fn run() -> Result<Value, String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (Some(binary), Some(build)) = (args.first(), args.get(1)) else {
-        return Err("usage: workerd-bench WORKERD BUILD_DIR [--mails N] [--stamps N]".into());
+/// Runs one scenario in the object `object` and returns its report. Its own
+/// agent: a scenario runs far longer than the shared request timeout.
+fn scenario(workerd: &Workerd, object: &str, body: &Value) -> Result<Value, String> {
+    let url = format!("http://127.0.0.1:{}/run/{object}", workerd.port());
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(SCENARIO_TIMEOUT))
+        .build()
+        .into();
+    let mut response = agent
+        .post(&url)
+        .header("content-type", "application/json")
+        .send(body.to_string())
+        .map_err(|e| format!("{url}: {e}"))?;
+    let status = response.status().as_u16();
+    let text = response
+        .body_mut()
+        .read_to_string()
+        .map_err(|e| e.to_string())?;
+    if status >= 300 {
+        return Err(format!("{object}: HTTP {status}: {text}"));
+    }
+    serde_json::from_str(&text).map_err(|_| format!("{object}: HTTP {status}: {text}"))
+}
+
+/// Adds the ratios to the floor and to the reference to a scenario's report.
+fn rated(mut report: Value, field: &str, reference: Option<f64>) -> Value {
+    let per_s = report[field].as_f64();
+    let floor = report["floor_per_sec"].as_f64();
+    report["ratio_to_floor"] = json!(per_s.zip(floor).map(|(v, f)| v / f));
+    report["reference_per_sec"] = json!(reference);
+    report["ratio_to_reference"] = json!(per_s.zip(reference).map(|(v, r)| v / r));
+    report
+}
+
+fn inside(workerd: &Workerd, messages: usize, operations: usize) -> Result<Value, String> {
+    let fanout = |object: &str, delivery_batch: usize, paused: bool| {
+        scenario(
+            workerd,
+            object,
+            &json!({
+                "scenario": "fanout",
+                "messages": messages,
+                "enqueue_batch": BATCH,
+                "delivery_batch": delivery_batch,
+                "paused_enqueue": paused,
+            }),
+        )
     };
-    let mails = number_flag(&args, "--mails", 5_000)?;
-    let stamps = number_flag(&args, "--stamps", 2_000)?;
-    let workerd = Workerd::launch(Path::new(binary), Path::new(build), &NAMESPACE)?;
-    eprintln!(
-        "workerd on 127.0.0.1:{}, storage in {}",
-        workerd.port(),
-        workerd.storage_dir().display()
+    let operations_run = |object: &str, callers: u64| {
+        scenario(
+            workerd,
+            object,
+            &json!({ "scenario": "operations", "operations": operations, "callers": callers }),
+        )
+    };
+    let batch_100 = rated(
+        fanout("fanout-100", 100, false)?,
+        "deliveries_per_sec",
+        Some(REFERENCE_FANOUT_BATCH_100_PER_S),
     );
-    let measured = floor(&workerd).and_then(|floor| {
-        Ok((
-            floor,
-            fanout(&workerd, mails)?,
-            operations(&workerd, stamps)?,
-        ))
-    });
-    let (floor, fanout, operations) = match measured {
-        Ok(measured) => measured,
-        Err(error) => {
-            for line in workerd.log_tail(40) {
-                eprintln!("{line}");
-            }
-            return Err(error);
-        }
-    };
-    workerd.kill()?;
+    let batch_10 = rated(
+        fanout("fanout-10", 10, false)?,
+        "deliveries_per_sec",
+        Some(REFERENCE_FANOUT_BATCH_10_PER_S),
+    );
+    let one = rated(
+        operations_run("operations-1", 1)?,
+        "ops_per_sec",
+        Some(REFERENCE_OPERATIONS_PER_S),
+    );
+    let many = rated(
+        operations_run("operations-16", CONCURRENT_CALLERS)?,
+        "ops_per_sec",
+        None,
+    );
+    let split_100 = fanout("fanout-100-split", 100, true)?;
+    let split_10 = fanout("fanout-10-split", 10, true)?;
+    let calibrate = scenario(
+        workerd,
+        "calibrate",
+        &json!({ "scenario": "calibrate", "inserts": 10_000, "crossings": 200_000 }),
+    )?;
+    Ok(json!({
+        "fanout_batch_100": batch_100,
+        "fanout_batch_10": batch_10,
+        "operations_1_caller": one,
+        "operations_16_callers": many,
+        "statements_per_delivery": {
+            "batch_100": batch_100["per_delivery"]["statements"],
+            "batch_10": batch_10["per_delivery"]["statements"],
+        },
+        "statements_per_operation": {
+            "1_caller": one["per_operation"]["statements"],
+            "16_callers": many["per_operation"]["statements"],
+        },
+        "profile": {
+            "fanout_batch_100_paused_enqueue": split_100,
+            "fanout_batch_10_paused_enqueue": split_10,
+            "calibrate": calibrate,
+        },
+    }))
+}
+
+fn outside(workerd: &Workerd, mails: usize, stamps: usize) -> Result<Value, String> {
+    let floor = request_floor(workerd)?;
+    let fanout = fanout(workerd, mails)?;
+    let operations = operations(workerd, stamps)?;
     let ratio = |per_s: &Value| per_s.as_f64().map(|v| v / floor);
     Ok(json!({
-        "benchmark": "workerd-mailbox",
         "floor": { "what": "sequential GET /stats round trips per second", "requests_per_s": floor },
-        "fanout": fanout,
-        "operations": operations,
         "ratios_to_floor": {
             "fanout_deliveries": ratio(&fanout["deliveries_per_s"]),
             "operations": ratio(&operations["operations_per_s"]),
         },
+        "fanout": fanout,
+        "operations": operations,
     }))
+}
+
+/// Starts workerd with the worker in `build`, runs `measure` against it,
+/// and stops it; on failure the log's tail goes to stderr.
+fn measured(
+    binary: &str,
+    build: &str,
+    namespace: &Namespace,
+    measure: impl FnOnce(&Workerd) -> Result<Value, String>,
+) -> Result<Value, String> {
+    let workerd = Workerd::launch(Path::new(binary), Path::new(build), namespace)?;
+    eprintln!(
+        "workerd on 127.0.0.1:{} ({}), storage in {}",
+        workerd.port(),
+        namespace.class,
+        workerd.storage_dir().display()
+    );
+    let result = measure(&workerd);
+    if result.is_err() {
+        for line in workerd.log_tail(40) {
+            eprintln!("{line}");
+        }
+    }
+    workerd.kill()?;
+    result
+}
+
+fn run() -> Result<Value, String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(binary), Some(bench_build)) = (args.first(), args.get(1)) else {
+        return Err("usage: workerd-bench WORKERD BENCH_BUILD [MAILBOX_BUILD] \
+             [--messages N] [--operations N] [--mails N] [--stamps N]"
+            .into());
+    };
+    let mailbox_build = args.get(2).filter(|a| !a.starts_with("--"));
+    let messages = number_flag(&args, "--messages", 5_000)?;
+    let operations = number_flag(&args, "--operations", 2_000)?;
+    let mails = number_flag(&args, "--mails", 5_000)?;
+    let stamps = number_flag(&args, "--stamps", 2_000)?;
+    let started = Instant::now();
+    let mut report = measured(binary, bench_build, &BENCH, |workerd| {
+        inside(workerd, messages, operations)
+    })?;
+    report["benchmark"] = json!("workerd-inside-object");
+    if let Some(build) = mailbox_build {
+        report["outside"] = measured(binary, build, &MAILBOX, |workerd| {
+            outside(workerd, mails, stamps)
+        })?;
+    }
+    report["wall_seconds"] = json!(started.elapsed().as_secs_f64());
+    Ok(report)
 }
 
 fn main() -> ExitCode {
