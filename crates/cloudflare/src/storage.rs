@@ -23,7 +23,7 @@ use std::cell::{Cell, RefCell};
 
 use durability_platform::{
     EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, Rollback, Row, Sql, Storage, StorageError,
-    Transaction, Value,
+    StorageLimits, Transaction, Value, check_statement,
 };
 use worker::js_sys::{self, Array, Object, Uint8Array};
 use worker::wasm_bindgen::{self, JsCast, JsValue, prelude::wasm_bindgen};
@@ -128,6 +128,9 @@ impl CloudflareStorage {
         sql: &str,
         params: &[Value],
     ) -> Result<worker::worker_sys::types::SqlStorageCursor, StorageError> {
+        // A statement the runtime would refuse with an exception is refused
+        // here with a typed error, before anything crosses to JavaScript.
+        check_statement(&StorageLimits::CLOUDFLARE, sql, params)?;
         let bindings = Array::new();
         for value in params {
             bindings.push(&value_to_js(value)?);
@@ -315,6 +318,10 @@ impl Storage for CloudflareStorage {
             self.alarm.set(None);
             Ok(())
         })
+    }
+
+    fn limits(&self) -> StorageLimits {
+        StorageLimits::CLOUDFLARE
     }
 }
 

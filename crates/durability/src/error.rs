@@ -405,6 +405,19 @@ pub enum ConfigError {
     /// A handler name that collides with a method of the helper.
     #[error("\"{name}\" is reserved by {owner}")]
     ReservedName { name: String, owner: &'static str },
+    /// A body limit above what the platform's storage can hold in one value
+    /// (on Cloudflare, 2 MB per string, blob or row): `max` is the most the
+    /// setter `field` accepts there, the platform's `max_value_bytes` less
+    /// [`STORED_VALUE_OVERHEAD_BYTES`](crate::limits::STORED_VALUE_OVERHEAD_BYTES).
+    #[error(
+        "{field} is {value} bytes, above the {max} bytes this platform can store in one value (its max_value_bytes of {platform_max} less the stored envelope)"
+    )]
+    AbovePlatformLimit {
+        field: String,
+        value: u64,
+        max: u64,
+        platform_max: u64,
+    },
     /// A second helper for the same table on one scheduler.
     #[error("A {table} helper is already attached to this scheduler")]
     DuplicateParticipant { table: String },

@@ -125,6 +125,38 @@ pub(crate) fn check_setting(
     Ok(())
 }
 
+/// Bytes a stored row may hold beside a body of the limit's size: the
+/// envelope around the body (`{"kind":"value","value":...}`), its ids and
+/// keys (at most [`MAX_ID_BYTES`] each), a lifecycle or error text.
+/// Generous on purpose: it only lowers the highest body limit a platform
+/// with a per-value bound accepts.
+pub const STORED_VALUE_OVERHEAD_BYTES: usize = 64 << 10;
+
+/// Checks a builder's body limit: at least 1, at most
+/// [`MAX_BODY_BYTES_LIMIT`], and small enough that a body of that size,
+/// with its row, fits the platform's largest value
+/// ([`StorageLimits::max_value_bytes`] less [`STORED_VALUE_OVERHEAD_BYTES`]).
+pub(crate) fn check_body_setting(
+    field: &'static str,
+    value: usize,
+    storage: &durability_platform::StorageLimits,
+) -> Result<(), crate::error::ConfigError> {
+    check_setting(field, value, MAX_BODY_BYTES_LIMIT)?;
+    let max = storage
+        .max_value_bytes
+        .saturating_sub(STORED_VALUE_OVERHEAD_BYTES);
+    if value > max {
+        let wide = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        return Err(crate::error::ConfigError::AbovePlatformLimit {
+            field: field.into(),
+            value: wide(value),
+            max: wide(max),
+            platform_max: wide(storage.max_value_bytes),
+        });
+    }
+    Ok(())
+}
+
 /// Checks a body's own JSON length against the limit set by `setting`.
 pub fn check_body(
     field: &'static str,

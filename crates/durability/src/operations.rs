@@ -46,7 +46,7 @@ use serde::de::DeserializeOwned;
 use crate::codec::{self, CodecError};
 use crate::error::{ConfigError, DurabilityError, HandlerError, SerializedError};
 use crate::lifecycle::{Emitter, Entity, EntityKind, LifecycleEvent, LifecycleHook};
-use crate::limits::{self, DEFAULT_MAX_BODY_BYTES, MAX_BODY_BYTES_LIMIT};
+use crate::limits::{self, DEFAULT_MAX_BODY_BYTES};
 use crate::memo::Memo;
 use crate::migrations::{
     self, MigrationReport, MigrationTarget, OPERATIONS_CAPABILITY, OPERATIONS_MIGRATIONS,
@@ -225,7 +225,10 @@ impl OperationsBuilder {
 
     /// Largest payload [`Operations::start`] accepts, in bytes of its own
     /// JSON. Default 1 MiB; from 1 byte to 32 MiB
-    /// ([`MAX_BODY_BYTES_LIMIT`]).
+    /// ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)).
+    /// On a platform with a per-value bound (Cloudflare: 2 MB), at most that
+    /// bound less [`STORED_VALUE_OVERHEAD_BYTES`](crate::limits::STORED_VALUE_OVERHEAD_BYTES);
+    /// `build` refuses more with [`ConfigError::AbovePlatformLimit`](crate::ConfigError::AbovePlatformLimit).
     pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
         self.max_payload_bytes = bytes;
         self
@@ -268,10 +271,10 @@ impl OperationsBuilder {
         for name in self.handlers.keys() {
             limits::check_id("handler name", name)?;
         }
-        limits::check_setting(
+        limits::check_body_setting(
             "max_payload_bytes",
             self.max_payload_bytes,
-            MAX_BODY_BYTES_LIMIT,
+            &self.scheduler.engine.ctx.storage().limits(),
         )?;
         let engine = Rc::clone(&self.scheduler.engine);
         let emitter =

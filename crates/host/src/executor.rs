@@ -575,6 +575,7 @@ impl Executor {
             id: id.to_string(),
             source,
         })?;
+        let storage = storage.with_limits(self.core.storage_limits);
         let state = SlotState::new(id.clone(), self.index, Arc::clone(&self.core.residency));
         let ctx = ObjectContext::new(
             id.clone(),

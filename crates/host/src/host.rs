@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use durability_platform::{EpochMs, MAX_SAFE_INTEGER, ObjectId};
+use durability_platform::{EpochMs, MAX_SAFE_INTEGER, ObjectId, StorageLimits};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::clock::Clock;
@@ -87,6 +87,8 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 pub(crate) struct HostCore {
     pub(crate) data_dir: PathBuf,
     pub(crate) synchronous: Synchronous,
+    /// What one statement of an object may carry.
+    pub(crate) storage_limits: StorageLimits,
     pub(crate) idle_timeout: Duration,
     pub(crate) clock: Clock,
     pub(crate) index: Arc<AlarmIndex>,
@@ -179,6 +181,7 @@ pub struct HostBuilder {
     open_retry_window: Duration,
     sync_images: Option<PathBuf>,
     boot_id_file: PathBuf,
+    storage_limits: StorageLimits,
 }
 
 impl Host {
@@ -196,6 +199,7 @@ impl Host {
             open_retry_window: flush::OPEN_RETRY_WINDOW,
             sync_images: None,
             boot_id_file: PathBuf::from(crate::index::BOOT_ID_FILE),
+            storage_limits: StorageLimits::SQLITE,
         }
     }
 }
@@ -266,6 +270,19 @@ impl HostBuilder {
     /// with small data only. `dir` must be outside the data directory.
     pub fn sync_images(mut self, dir: impl Into<PathBuf>) -> Self {
         self.sync_images = Some(dir.into());
+        self
+    }
+
+    /// What one SQL statement of an object may carry: its bound
+    /// parameters, the bytes of its text and of each string or blob. A
+    /// statement beyond them fails with
+    /// [`StorageError::LimitExceeded`](durability_platform::StorageError::LimitExceeded)
+    /// before it runs, and the capabilities' builders refuse settings they
+    /// rule out. [`StorageLimits::CLOUDFLARE`] makes the host hold an
+    /// object to what a Durable Object can store, so code that passes its
+    /// tests here fits Cloudflare. Default: [`StorageLimits::SQLITE`].
+    pub fn storage_limits(mut self, limits: StorageLimits) -> Self {
+        self.storage_limits = limits;
         self
     }
 
@@ -426,6 +443,7 @@ impl HostBuilder {
         let core = Arc::new(HostCore {
             data_dir: self.data_dir.clone(),
             synchronous: self.synchronous,
+            storage_limits: self.storage_limits,
             idle_timeout: self.idle_timeout,
             clock: Clock::start(self.clock_start_ms),
             index,

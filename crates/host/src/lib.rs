@@ -53,7 +53,7 @@ mod work;
 use std::future::Future;
 
 pub use context::ObjectContext;
-pub use durability_platform::{AlarmInfo, ObjectId};
+pub use durability_platform::{AlarmInfo, ObjectId, StorageLimits};
 pub use error::{CallError, HostError};
 pub use executor::{ALARM_MAX_RETRIES, ALARM_RETRY_BASE};
 pub use flush::FlushMethod;

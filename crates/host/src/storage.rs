@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 
 use durability_platform::{
     EpochMs, LocalBoxFuture, MAX_SAFE_INTEGER, ObjectId, Rollback, Row, Sql, Storage, StorageError,
-    Transaction, Value,
+    StorageLimits, Transaction, Value, check_statement,
 };
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, ValueRef};
@@ -109,6 +109,8 @@ pub(crate) struct ObjectStorage {
     /// first one may have created the WAL, whose directory entry the
     /// flusher must sync too.
     numbered: Cell<bool>,
+    /// What one statement may carry; checked before each one runs.
+    limits: StorageLimits,
 }
 
 impl ObjectStorage {
@@ -194,6 +196,7 @@ impl ObjectStorage {
             committing,
             last_commit: Cell::new(0),
             numbered: Cell::new(false),
+            limits: StorageLimits::SQLITE,
         };
         storage.correct_index(recorded.alarm)?;
         Ok((storage, recorded))
@@ -718,14 +721,17 @@ pub(crate) fn query(conn: &Connection, sql: &str, params: &[Value]) -> rusqlite:
 
 impl Sql for ObjectStorage {
     fn execute(&self, sql: &str, params: &[Value]) -> Result<usize, StorageError> {
+        check_statement(&self.limits, sql, params)?;
         self.with_conn(|conn| execute(conn, sql, params).map_err(storage_error))
     }
 
     fn query(&self, sql: &str, params: &[Value]) -> Result<Vec<Row>, StorageError> {
+        check_statement(&self.limits, sql, params)?;
         self.with_conn(|conn| query(conn, sql, params).map_err(storage_error))
     }
 
     fn execute_script(&self, sql: &str) -> Result<(), StorageError> {
+        check_statement(&self.limits, sql, &[])?;
         self.with_conn(|conn| conn.execute_batch(sql).map_err(storage_error))
     }
 }
@@ -787,9 +793,19 @@ impl Storage for ObjectStorage {
     fn delete_alarm(&self) -> LocalBoxFuture<'_, Result<(), StorageError>> {
         Box::pin(std::future::ready(self.change_alarm(None)))
     }
+
+    fn limits(&self) -> StorageLimits {
+        self.limits
+    }
 }
 
 impl ObjectStorage {
+    /// The same storage, checking every statement against `limits`.
+    pub(crate) fn with_limits(mut self, limits: StorageLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
     fn change_alarm(&self, at_ms: Option<EpochMs>) -> Result<(), StorageError> {
         let mut failure = None;
         let committed = self.run_transaction(&mut || {

@@ -24,10 +24,12 @@
 //! ```
 
 mod context;
+mod limits;
 mod sql;
 mod storage;
 
 pub use context::{AlarmInfo, Context, ObjectId};
+pub use limits::{StorageLimits, check_statement};
 pub use sql::{FromValue, Row, Sql, Value, ValueType};
 pub use storage::{Rollback, Storage, StorageError, StorageExt, Transaction};
 

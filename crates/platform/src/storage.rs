@@ -8,7 +8,7 @@
 
 use thiserror::Error;
 
-use crate::{EpochMs, LocalBoxFuture, Sql};
+use crate::{EpochMs, LocalBoxFuture, Sql, StorageLimits};
 
 /// Why a storage call failed. Every variant is a definite failure of the
 /// call; after a failed commit nothing of the transaction is visible.
@@ -47,6 +47,15 @@ pub enum StorageError {
         "integer parameter {value} is outside the safe range ±9007199254740991 that every platform stores exactly"
     )]
     UnsafeInteger { value: i64 },
+    /// A statement beyond one of the platform's [`StorageLimits`]: `limit`
+    /// names the field, `value` is what the statement carried. Nothing was
+    /// bound or run.
+    #[error("the statement's {value} is above the platform's {limit} of {max}")]
+    LimitExceeded {
+        limit: &'static str,
+        value: usize,
+        max: usize,
+    },
 }
 
 /// Returned by a transaction body to roll the transaction back. The body's
@@ -94,6 +103,13 @@ pub trait Storage: Sql {
     fn set_alarm(&self, at_ms: EpochMs) -> LocalBoxFuture<'_, Result<(), StorageError>>;
     /// Clears the alarm.
     fn delete_alarm(&self) -> LocalBoxFuture<'_, Result<(), StorageError>>;
+
+    /// What one statement may carry here. Every statement this storage runs
+    /// is checked against it ([`check_statement`](crate::check_statement)),
+    /// and the capabilities' builders refuse settings the limits rule out.
+    fn limits(&self) -> StorageLimits {
+        StorageLimits::SQLITE
+    }
 }
 
 /// Typed transactions over any [`Storage`]: the body returns its own

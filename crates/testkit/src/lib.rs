@@ -106,7 +106,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use durability_host::{AlarmInfo, FiredAlarm};
+pub use durability_host::{AlarmInfo, FiredAlarm, StorageLimits};
 use durability_host::{
     BoxError, CallError, DurableObject, Host, HostError, Namespace, ObjectContext, ObjectId, Stub,
 };
@@ -184,6 +184,7 @@ pub struct TestHostBuilder {
     idle_timeout: Option<Duration>,
     max_live_objects: Option<usize>,
     data_dir: Option<PathBuf>,
+    storage_limits: Option<StorageLimits>,
 }
 
 impl TestHostBuilder {
@@ -203,6 +204,16 @@ impl TestHostBuilder {
     /// The most objects in memory at once. Default: the host's.
     pub fn max_live_objects(mut self, n: usize) -> Self {
         self.max_live_objects = Some(n);
+        self
+    }
+
+    /// What one SQL statement may carry. [`StorageLimits::CLOUDFLARE`]
+    /// holds every object to what a Cloudflare Durable Object stores (100
+    /// bound parameters, 2 MB values, 100 KB statements), so a test here
+    /// fails where the code would fail there. Default: the host's
+    /// ([`StorageLimits::SQLITE`]).
+    pub fn storage_limits(mut self, limits: StorageLimits) -> Self {
+        self.storage_limits = Some(limits);
         self
     }
 
@@ -250,6 +261,9 @@ impl TestHostBuilder {
         }
         if let Some(n) = self.max_live_objects {
             builder = builder.max_live_objects(n);
+        }
+        if let Some(limits) = self.storage_limits {
+            builder = builder.storage_limits(limits);
         }
         let host = builder.build()?;
         Ok(TestHost(Rc::new(Kit {
@@ -299,6 +313,7 @@ impl TestHost {
             idle_timeout: None,
             max_live_objects: None,
             data_dir: None,
+            storage_limits: None,
         }
     }
 

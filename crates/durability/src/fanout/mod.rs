@@ -315,6 +315,9 @@ where
     /// `serde_json::to_string` writes for it). Default 1 MiB; from 1 byte
     /// to 32 MiB ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)).
     /// A larger body rejects its whole batch.
+    /// On a platform with a per-value bound (Cloudflare: 2 MB), at most that
+    /// bound less [`STORED_VALUE_OVERHEAD_BYTES`](crate::limits::STORED_VALUE_OVERHEAD_BYTES);
+    /// `build` refuses more with [`ConfigError::AbovePlatformLimit`](crate::ConfigError::AbovePlatformLimit).
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.max_body_bytes = bytes;
         self
@@ -398,10 +401,10 @@ where
                 min: 0,
                 max: MAX_SAFE_INTEGER.unsigned_abs(),
             })?;
-        limits::check_setting(
+        limits::check_body_setting(
             "max_body_bytes",
             self.max_body_bytes,
-            limits::MAX_BODY_BYTES_LIMIT,
+            &self.scheduler.engine.ctx.storage().limits(),
         )?;
         limits::check_setting(
             "max_enqueue_messages",

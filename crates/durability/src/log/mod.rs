@@ -438,6 +438,9 @@ where
     /// JSON. Default 1 MiB; from 1 byte to 32 MiB
     /// ([`MAX_BODY_BYTES_LIMIT`](crate::limits::MAX_BODY_BYTES_LIMIT)). A
     /// larger body rejects its whole batch.
+    /// On a platform with a per-value bound (Cloudflare: 2 MB), at most that
+    /// bound less [`STORED_VALUE_OVERHEAD_BYTES`](crate::limits::STORED_VALUE_OVERHEAD_BYTES);
+    /// `build` refuses more with [`ConfigError::AbovePlatformLimit`](crate::ConfigError::AbovePlatformLimit).
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.max_body_bytes = bytes;
         self
@@ -478,10 +481,10 @@ where
             usize::try_from(self.max_batch_size).unwrap_or(usize::MAX),
             limits::MAX_ITEMS_PER_CALL_LIMIT,
         )?;
-        limits::check_setting(
+        limits::check_body_setting(
             "max_body_bytes",
             self.max_body_bytes,
-            limits::MAX_BODY_BYTES_LIMIT,
+            &self.scheduler.engine.ctx.storage().limits(),
         )?;
         let retention = self.retention.map(Retention::validate).transpose()?;
         let leases = self.leases.map(Leases::validate).transpose()?;

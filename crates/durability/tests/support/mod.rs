@@ -7,6 +7,13 @@
 //! whose capabilities a test builds inside a call (`TestObject`,
 //! `Harness`), lifecycle event traces, and `open_host` for directories
 //! another process wrote (on the system clock, as that process was).
+//!
+//! Every host here holds its objects to Cloudflare's storage limits
+//! ([`StorageLimits::CLOUDFLARE`]: 100 bound parameters, 2 MB values,
+//! 100 KB statements), so each statement any capability test makes is
+//! checked against them and one beyond them fails its test with
+//! `StorageError::LimitExceeded`: the capabilities must run unchanged in a
+//! Durable Object.
 
 #![allow(dead_code, unused_imports)] // each test binary uses a different part of the support module
 
@@ -19,6 +26,7 @@ use std::cell::RefCell;
 use durability::Scheduler;
 use durability_host::{
     AlarmInfo, BoxError, DurableObject, Host, Namespace, NoAlarmHandler, ObjectContext, ObjectId,
+    StorageLimits,
 };
 use durability_platform::Context;
 pub use durability_test::Gate;
@@ -95,6 +103,7 @@ pub fn open_harness_host(dir: &Path) -> (Host, Namespace<Harness>) {
     let host = Host::builder(dir)
         .threads(0)
         .clock_start_ms(1_000_000)
+        .storage_limits(StorageLimits::CLOUDFLARE)
         .build()
         .expect("host");
     let objects = host
@@ -117,6 +126,7 @@ where
         .run_until(async move {
             let kit = durability_test::TestHost::builder()
                 .clock_start_ms(1_000_000)
+                .storage_limits(StorageLimits::CLOUDFLARE)
                 .build()
                 .expect("kit host");
             let object = kit
@@ -146,7 +156,10 @@ pub const TEST_NAMESPACE: &str = "test";
 impl TestHost {
     /// A host with `threads(0)`: objects run on the caller's `LocalSet`.
     pub fn new() -> Self {
-        let kit = durability_test::TestHost::start().expect("kit host");
+        let kit = durability_test::TestHost::builder()
+            .storage_limits(StorageLimits::CLOUDFLARE)
+            .build()
+            .expect("kit host");
         let kit_objects = kit
             .namespace(TEST_NAMESPACE, |ctx| Ok(TestObject { ctx }))
             .expect("namespace");
@@ -200,7 +213,11 @@ impl Default for TestHost {
 /// Opens an inline host over `dir` with the [`TestObject`] namespace; for
 /// tests that reopen a directory another host (or process) wrote.
 pub fn open_host(dir: &Path) -> (Host, Namespace<TestObject>) {
-    let host = Host::builder(dir).threads(0).build().expect("host");
+    let host = Host::builder(dir)
+        .threads(0)
+        .storage_limits(StorageLimits::CLOUDFLARE)
+        .build()
+        .expect("host");
     let objects = host
         .namespace(TEST_NAMESPACE, |ctx| Ok(TestObject { ctx }))
         .expect("namespace");
