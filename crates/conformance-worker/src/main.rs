@@ -54,9 +54,10 @@ impl Driver for Conformance {
         Box::pin(async move { std::thread::sleep(duration) })
     }
 
-    fn restart(&self) -> LocalBoxFuture<'_, Result<(), String>> {
+    fn restart_after(&self, downtime: Duration) -> LocalBoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
             self.0.kill()?;
+            std::thread::sleep(downtime);
             self.0.start()
         })
     }
