@@ -1,6 +1,6 @@
-//! The capabilities' metrics: their names (one place, so that the README's
-//! table and the tests agree with the code) and the function that turns a
-//! lifecycle event into them.
+//! The capabilities' metrics: their names (one place, so that the table of
+//! docs/observability.md and the tests agree with the code) and the
+//! function that turns a lifecycle event into them.
 //!
 //! Every capability reports through the `metrics` facade and never chooses
 //! an exporter: without a recorder installed by the application each call

@@ -78,7 +78,7 @@ pub struct TortureArgs {
     /// Make every death a power cut: the host's data directory is a
     /// power-cut filesystem (FUSE; needs root and /dev/fuse) that, after
     /// each kill, drops what was not made durable. The checker then allows
-    /// what --mode lets a power loss undo (README, "Guarantees").
+    /// what --mode lets a power loss undo (docs/guarantees.md).
     #[arg(long)]
     power_cut: bool,
     /// With --power-cut, the faults the cuts draw from (comma-separated):

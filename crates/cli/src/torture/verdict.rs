@@ -50,9 +50,9 @@ pub enum ExtraRuns {
     Unbounded,
 }
 
-/// What the README's durability-mode table lets a power cut undo in the
-/// run's mode. A kill allows nothing: every mode keeps every commit across
-/// a process crash.
+/// What the durability-mode table of docs/guarantees.md lets a power cut
+/// undo in the run's mode. A kill allows nothing: every mode keeps every
+/// commit across a process crash.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Allowance {
     /// An accepted item may be lost (`normal`: "an `Accepted` may
