@@ -2,6 +2,7 @@
 //! storage, `Date.now()`, `worker::Delay`, `crypto.getRandomValues`,
 //! `spawn_local` and `ctx.waitUntil`.
 
+use std::cell::Cell;
 use std::time::Duration;
 
 use durability_platform::{Context, EpochMs, LocalBoxFuture, ObjectId, Storage, StorageError};
@@ -18,6 +19,11 @@ extern "C" {
     fn get_random_values(buf: &mut [u8]) -> Result<JsValue, JsValue>;
 }
 
+/// Cloudflare's default CPU time per request or alarm invocation. An
+/// account that raises it (`limits.cpu_ms` in wrangler.toml) says so with
+/// [`CloudflareContext::set_invocation_cpu_limit`].
+pub const DEFAULT_INVOCATION_CPU_LIMIT: Duration = Duration::from_secs(30);
+
 /// The most bytes one `getRandomValues` call fills (a Web Crypto limit).
 const RANDOM_CHUNK_BYTES: usize = 65_536;
 
@@ -29,6 +35,7 @@ pub struct CloudflareContext {
     id: ObjectId,
     state: DurableObjectState,
     storage: CloudflareStorage,
+    cpu_limit: Cell<Duration>,
 }
 
 impl CloudflareContext {
@@ -52,7 +59,15 @@ impl CloudflareContext {
             id: ObjectId::new(id),
             state: JsValue::from(state).unchecked_into(),
             storage,
+            cpu_limit: Cell::new(DEFAULT_INVOCATION_CPU_LIMIT),
         })
+    }
+
+    /// The CPU limit per invocation this Worker runs under, where it is not
+    /// the default [`DEFAULT_INVOCATION_CPU_LIMIT`]. Set it before building
+    /// the scheduler, which derives its alarm handoff from it.
+    pub fn set_invocation_cpu_limit(&self, limit: Duration) {
+        self.cpu_limit.set(limit);
     }
 
     /// The storage with its Cloudflare-only calls ([`CloudflareStorage::refresh_alarm`]).
@@ -95,6 +110,10 @@ impl Context for CloudflareContext {
 
     fn spawn(&self, task: LocalBoxFuture<'static, ()>) {
         spawn_local(task);
+    }
+
+    fn invocation_cpu_limit(&self) -> Option<Duration> {
+        Some(self.cpu_limit.get())
     }
 
     fn wait_until(&self, task: LocalBoxFuture<'static, ()>) {

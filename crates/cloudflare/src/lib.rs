@@ -56,7 +56,7 @@ mod storage;
 pub use durability_platform::AlarmInfo;
 
 #[cfg(target_arch = "wasm32")]
-pub use context::CloudflareContext;
+pub use context::{CloudflareContext, DEFAULT_INVOCATION_CPU_LIMIT};
 #[cfg(target_arch = "wasm32")]
 pub use object::{DurableObject, ObjectHost, alarm_info};
 #[cfg(target_arch = "wasm32")]

@@ -418,6 +418,17 @@ pub enum ConfigError {
         max: u64,
         platform_max: u64,
     },
+    /// A duration at or above the platform's CPU limit per invocation
+    /// ([`Context::invocation_cpu_limit`](durability_platform::Context::invocation_cpu_limit)):
+    /// a run that long would be ended by the platform before it hands off.
+    #[error(
+        "{field} is {value_ms} ms, not below the platform's CPU limit per invocation of {limit_ms} ms"
+    )]
+    AboveInvocationLimit {
+        field: String,
+        value_ms: u64,
+        limit_ms: u64,
+    },
     /// A second helper for the same table on one scheduler.
     #[error("A {table} helper is already attached to this scheduler")]
     DuplicateParticipant { table: String },

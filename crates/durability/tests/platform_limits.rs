@@ -267,3 +267,77 @@ fn the_embedded_host_default_takes_the_largest_body_limit() {
         .is_ok()
     );
 }
+
+/// The harness's context, reporting a CPU limit per invocation as a
+/// Durable Object's does.
+struct CpuLimited(Rc<dyn durability_platform::Context>, Duration);
+
+impl durability_platform::Context for CpuLimited {
+    fn id(&self) -> &durability_platform::ObjectId {
+        self.0.id()
+    }
+    fn storage(&self) -> &dyn durability_platform::Storage {
+        self.0.storage()
+    }
+    fn now_ms(&self) -> durability_platform::EpochMs {
+        self.0.now_ms()
+    }
+    fn sleep(&self, duration: Duration) -> durability_platform::LocalBoxFuture<'static, ()> {
+        self.0.sleep(duration)
+    }
+    fn random_bytes(&self, buf: &mut [u8]) {
+        self.0.random_bytes(buf);
+    }
+    fn spawn(&self, task: durability_platform::LocalBoxFuture<'static, ()>) {
+        self.0.spawn(task);
+    }
+    fn wait_until(&self, task: durability_platform::LocalBoxFuture<'static, ()>) {
+        self.0.wait_until(task);
+    }
+    fn invocation_cpu_limit(&self) -> Option<Duration> {
+        Some(self.1)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn under_a_cpu_limit_a_long_alarm_run_hands_off_at_half_of_it_and_longer_handoffs_are_refused()
+ {
+    support::on_harness(|h| async move {
+        let limit = Duration::from_secs(30);
+        let ctx: Rc<dyn durability_platform::Context> = Rc::new(CpuLimited(h.context(), limit));
+        let refused = Scheduler::builder(Rc::clone(&ctx))
+            .alarm_handoff(limit)
+            .build();
+        match refused {
+            Err(ConfigError::AboveInvocationLimit {
+                field,
+                value_ms,
+                limit_ms,
+            }) => {
+                assert_eq!(
+                    (field.as_str(), value_ms, limit_ms),
+                    ("alarm_handoff", 30_000, 30_000)
+                );
+            }
+            other => panic!("a handoff at the CPU limit was accepted: {other:?}"),
+        }
+        let scheduler = Scheduler::new(Rc::clone(&ctx)).unwrap();
+        h.install(&scheduler);
+        let alarms = Alarms::builder(&scheduler)
+            .handler("long", |_call| async {
+                sleep_ms(60_000).await;
+                Ok::<_, HandlerError>(())
+            })
+            .build()
+            .unwrap();
+        h.keep(alarms.clone());
+        alarms.schedule("long", scheduler.now_ms()).await.unwrap();
+        ctx.storage().delete_alarm().await.unwrap();
+        let started = scheduler.now_ms();
+        scheduler.alarm(None).await.unwrap();
+        // The default handoff is half the CPU limit, not 14 minutes.
+        assert_eq!(scheduler.now_ms() - started, 15_000);
+        assert!(support::physical_alarm(&*ctx).await.is_some());
+    })
+    .await;
+}

@@ -69,4 +69,13 @@ pub trait Context {
     /// object alive until it ends: idle eviction waits for it, and shutdown
     /// waits for it up to the host's grace period.
     fn wait_until(&self, task: LocalBoxFuture<'static, ()>);
+
+    /// The CPU time one event of the object (a request, an alarm delivery)
+    /// may use before the platform ends it, where the platform sets such a
+    /// limit: Cloudflare does (30 s by default), the embedded host does not.
+    /// The scheduler hands a long alarm run over to a new alarm well before
+    /// it, so a backlog drains over several invocations.
+    fn invocation_cpu_limit(&self) -> Option<Duration> {
+        None
+    }
 }

@@ -96,7 +96,9 @@ pub struct SchedulerBuilder {
     ctx: Rc<dyn Context>,
     alarm_concurrency: usize,
     alarm_min_delay: Duration,
-    alarm_handoff: Duration,
+    /// `None`: [`DEFAULT_ALARM_HANDOFF`], or half the platform's CPU limit
+    /// per invocation where that is sooner.
+    alarm_handoff: Option<Duration>,
     live_timers: bool,
     on_alarm_retry: Option<AlarmRetryHook>,
 }
@@ -117,10 +119,14 @@ impl SchedulerBuilder {
     }
 
     /// Time after which a running alarm arms a new alarm for the work it has
-    /// not finished and returns. Default 14 min; 1 ms to 2^31-1 ms, whole
-    /// milliseconds.
+    /// not finished and returns. Default 14 min, or half the platform's CPU
+    /// limit per invocation ([`Context::invocation_cpu_limit`]) where that
+    /// is sooner: 15 s on Cloudflare, whose 30 s CPU limit would otherwise
+    /// end a long run (CPU time never exceeds the wall time of a run on one
+    /// thread, so handing off by wall time bounds both). 1 ms to 2^31-1 ms,
+    /// whole milliseconds, and below the platform's CPU limit.
     pub fn alarm_handoff(mut self, handoff: Duration) -> Self {
-        self.alarm_handoff = handoff;
+        self.alarm_handoff = Some(handoff);
         self
     }
 
@@ -168,16 +174,35 @@ impl SchedulerBuilder {
                 max_ms: 15_000,
             });
         }
-        let handoff_ms = self.alarm_handoff.as_millis();
+        let cpu_limit = self.ctx.invocation_cpu_limit();
+        let alarm_handoff = self.alarm_handoff.unwrap_or_else(|| {
+            cpu_limit.map_or(DEFAULT_ALARM_HANDOFF, |limit| {
+                DEFAULT_ALARM_HANDOFF.min(Duration::from_millis(
+                    u64::try_from(limit.as_millis() / 2)
+                        .unwrap_or(u64::MAX)
+                        .max(1),
+                ))
+            })
+        });
+        if let Some(limit) = cpu_limit
+            && alarm_handoff >= limit
+        {
+            return Err(ConfigError::AboveInvocationLimit {
+                field: "alarm_handoff".into(),
+                value_ms: u64::try_from(alarm_handoff.as_millis()).unwrap_or(u64::MAX),
+                limit_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+            });
+        }
+        let handoff_ms = alarm_handoff.as_millis();
         if handoff_ms == 0 {
             return Err(ConfigError::NotPositive {
                 field: "alarm_handoff".into(),
             });
         }
-        if !self.alarm_handoff.subsec_nanos().is_multiple_of(1_000_000) {
+        if !alarm_handoff.subsec_nanos().is_multiple_of(1_000_000) {
             return Err(ConfigError::NotWholeMilliseconds {
                 field: "alarm_handoff".into(),
-                value: self.alarm_handoff,
+                value: alarm_handoff,
             });
         }
         if handoff_ms > u128::from(MAX_TIMER_MS) {
@@ -256,7 +281,7 @@ impl Scheduler {
             ctx,
             alarm_concurrency: DEFAULT_ALARM_CONCURRENCY,
             alarm_min_delay: DEFAULT_ALARM_MIN_DELAY,
-            alarm_handoff: DEFAULT_ALARM_HANDOFF,
+            alarm_handoff: None,
             live_timers: false,
             on_alarm_retry: None,
         }
