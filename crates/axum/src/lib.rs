@@ -172,3 +172,10 @@ impl DashboardBuilder {
         Ok(routes::router(state))
     }
 }
+
+/// The Rust excerpts of `docs/axum.md`, compiled as doctests of this crate:
+/// they use the dashboard and axum, which the `durability` crate (where the
+/// rest of the guide is compiled) does not depend on.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/axum.md")]
+mod guide_axum {}

@@ -386,3 +386,34 @@ fn github_slugs_drop_punctuation_and_number_repeated_headings() {
         assert!(slugs.contains(slug), "{slug} not in {slugs:?}");
     }
 }
+
+#[test]
+fn every_file_of_the_guide_is_compiled_as_doctests() {
+    // A Rust excerpt is only checked if its file is included as a doctest
+    // module somewhere: here (crates/durability/src/lib.rs) or, for the
+    // chapter that needs axum, in crates/axum/src/lib.rs.
+    let root = repository();
+    let mut included = BTreeSet::new();
+    for harness in ["crates/durability/src/lib.rs", "crates/axum/src/lib.rs"] {
+        let text = std::fs::read_to_string(root.join(harness))
+            .unwrap_or_else(|e| panic!("cannot read {harness}: {e}"));
+        for line in text.lines() {
+            if let Some(at) = line.find("include_str!(\"../../../") {
+                let rest = &line[at + "include_str!(\"../../../".len()..];
+                if let Some(end) = rest.find('"') {
+                    included.insert(PathBuf::from(&rest[..end]));
+                }
+            }
+        }
+    }
+    let missing: Vec<String> = guide_files()
+        .into_keys()
+        .filter(|file| !included.contains(file))
+        .map(|file| file.display().to_string())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "not compiled as doctests: {}",
+        missing.join(", ")
+    );
+}
