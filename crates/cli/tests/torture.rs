@@ -406,3 +406,46 @@ fn the_checker_fails_a_run_whose_object_database_is_damaged() {
     assert_eq!(verdict["verdict"], "fail", "{verdict:#}");
     assert!(field(&verdict, "corrupt") >= 1, "{verdict:#}");
 }
+
+#[test]
+fn a_life_whose_host_refuses_to_start_fails_the_run_as_a_refused_start() {
+    // A second holder of the data directory's lock, taken between two lives
+    // (a killed life's lock is released by the kernel at once): the next
+    // life's host really refuses to start, as it would after a cut that
+    // left a journal it cannot replay.
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let run_dir = dir.path().join("runs");
+    let lock_path = run_dir.join("operations").join("data").join("host.lock");
+    let holder = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while std::time::Instant::now() < deadline {
+            if let Ok(file) = OpenOptions::new().write(true).open(&lock_path)
+                && file.try_lock().is_ok()
+            {
+                return Some(file);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        None
+    });
+    let output = durability(&[
+        "torture",
+        "--seed",
+        "3",
+        "--json",
+        "--workload",
+        "operations",
+        "--kills",
+        "4",
+        "--data-dir",
+        path_arg(&run_dir),
+    ]);
+    let held = holder.join().expect("the lock holder thread");
+    assert!(held.is_some(), "never got the lock between two lives");
+    assert!(!output.status.success(), "{}", show(&output));
+    let verdict = json_of(&output);
+    assert_eq!(verdict["verdict"], "fail", "{verdict:#}");
+    assert!(field(&verdict, "refused_starts") >= 1, "{verdict:#}");
+    let examples = verdict["workloads"]["operations"]["examples"].to_string();
+    assert!(examples.contains("refused to start"), "{verdict:#}");
+}

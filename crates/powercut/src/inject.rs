@@ -14,6 +14,8 @@ pub(crate) struct Injection {
     full_in: Option<u64>,
     /// Every write fails with `ENOSPC` until the next cut.
     full: bool,
+    /// Failures handed to a caller since the last cut.
+    delivered: u64,
 }
 
 impl Injection {
@@ -30,6 +32,7 @@ impl Injection {
         match self.failing_sync_in {
             Some(1) => {
                 self.failing_sync_in = None;
+                self.delivered += 1;
                 true
             }
             Some(n) => {
@@ -50,12 +53,24 @@ impl Injection {
             Some(n) => self.full_in = Some(n - 1),
             None => {}
         }
+        if self.full {
+            self.delivered += 1;
+        }
         self.full
     }
 
     /// Whether growing a file fails (not counted as a write).
-    pub(crate) fn is_full(&self) -> bool {
+    pub(crate) fn is_full(&mut self) -> bool {
+        if self.full {
+            self.delivered += 1;
+        }
         self.full
+    }
+
+    /// Failures (`EIO` of a sync, `ENOSPC` of a write or a growth) handed
+    /// to a caller since the last cut.
+    pub(crate) fn delivered(&self) -> u64 {
+        self.delivered
     }
 
     /// The reboot of a cut: nothing stays armed.

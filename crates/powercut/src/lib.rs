@@ -287,6 +287,13 @@ impl PowerCutFs {
         lock(&self.state).injection.arm_full_disk(nth);
     }
 
+    /// How many injected failures (`EIO` of a sync, `ENOSPC` of a write)
+    /// callers have been handed since the last cut: 0 means an armed fault
+    /// has not fired yet, so it cannot explain what a process did.
+    pub fn injected_failures(&self) -> u64 {
+        lock(&self.state).injection.delivered()
+    }
+
     /// Unmounts (what is not durable stays as it is in the backing
     /// directory).
     pub fn unmount(mut self) -> Result<(), PowerCutError> {

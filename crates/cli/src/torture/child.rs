@@ -80,6 +80,12 @@ pub fn live<W: Workload>(life: &Life) -> Result<Ending, TortureError> {
             builder = builder.boot_id_file(boot_id);
         }
         let host = builder.build()?;
+        let started = life.files.started();
+        fs::write(&started, life.index.to_string()).map_err(|source| TortureError::Io {
+            what: "cannot mark the life's host as started",
+            path: started,
+            source,
+        })?;
         let outcome = run_life::<W>(&host, life).await;
         // Only a final life gets here normally; it closes every file cleanly
         // so the checker reads settled databases.

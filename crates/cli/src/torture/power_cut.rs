@@ -197,6 +197,13 @@ impl PowerCuts {
         Armed { kind }
     }
 
+    /// Whether an armed fault has handed a failure to the child since the
+    /// last cut (read before the next one): only then can it explain how
+    /// the life ended.
+    pub fn fault_fired(&self) -> bool {
+        self.fs.injected_failures() > 0
+    }
+
     /// Cuts the power after life `life` died and was reaped.
     pub fn cut(&mut self, armed: Armed, life: u32) -> Result<(), TortureError> {
         let seed = roll(self.seed, "power cut", self.workload, u64::from(life));

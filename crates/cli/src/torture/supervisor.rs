@@ -78,6 +78,11 @@ pub struct Supervised {
     /// enospc fault was armed: the host refusing to go on, as it must.
     #[serde(default)]
     ended_by_fault: Vec<String>,
+    /// Lives whose host failed to start (never wrote its `started` mark)
+    /// while no injected fault had fired: after a kill or a cut, every
+    /// start must succeed, so each one is a failure of the run.
+    #[serde(default)]
+    refused_starts: Vec<String>,
     /// Lives that ended in a way they must not: an ordinary life that exited
     /// by itself, a final life that failed or never ended.
     failures: Vec<String>,
@@ -91,6 +96,9 @@ impl Supervised {
     pub fn add_to(&self, tally: &mut Tally) {
         for failure in &self.failures {
             tally.flag(Violation::Broken("child_failures"), failure.clone());
+        }
+        for refusal in &self.refused_starts {
+            tally.flag(Violation::Broken(REFUSED_STARTS), refusal.clone());
         }
         if self.unsettled {
             tally.flag(
@@ -153,6 +161,22 @@ impl Supervised {
     }
 }
 
+/// The verdict's name for lives whose host refused to start.
+pub const REFUSED_STARTS: &str = "refused_starts";
+
+/// Removes the previous life's `started` mark before the next life starts.
+fn clear_started(files: &Files) -> Result<(), TortureError> {
+    match fs::remove_file(files.started()) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(TortureError::Io {
+            what: "cannot remove the previous life's started mark",
+            path: files.started(),
+            source,
+        }),
+    }
+}
+
 fn default_mode_key() -> String {
     Mode::DEFAULT.key.to_owned()
 }
@@ -191,14 +215,21 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
     };
     for life in 0..kills {
         let armed = power.as_ref().map(|power| power.arm(life));
+        clear_started(files)?;
         let mut child = spawn(&life_of(life, false), files)?;
         let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
         std::thread::sleep(Duration::from_millis(delay));
         // An error here means the child already exited; `wait` says how.
         let _ = child.kill();
         let status = wait(&mut child, files)?;
+        let fault_fired = power.as_ref().is_some_and(PowerCuts::fault_fired);
         if killed(&status) {
             supervised.kills += 1;
+        } else if !files.started().exists() && !fault_fired {
+            supervised.refused_starts.push(format!(
+                "life {life}'s host refused to start ({status}){}",
+                stderr_tail(files)
+            ));
         } else if armed.is_some_and(|a| a.may_end_by_itself()) && status.code() == Some(EXIT_ERROR)
         {
             supervised.ended_by_fault.push(format!(
@@ -218,6 +249,7 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
     }
 
     let started = Instant::now();
+    clear_started(files)?;
     let mut child = spawn(&life_of(kills, true), files)?;
     let deadline = started + SETTLE_TIMEOUT + FINAL_LIFE_SLACK;
     let status = loop {
@@ -240,6 +272,10 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         Some(status) if status.code() == Some(i32::from(EXIT_UNSETTLED)) => {
             supervised.unsettled = true;
         }
+        Some(status) if !files.started().exists() => supervised.refused_starts.push(format!(
+            "the final life's host refused to start ({status}){}",
+            stderr_tail(files)
+        )),
         Some(status) => supervised.failures.push(format!(
             "the final life failed ({status}){}",
             stderr_tail(files)

@@ -203,6 +203,15 @@ impl Tally {
             + self.broken.values().sum::<u64>()
     }
 
+    /// Lives whose host refused to start with no injected fault to explain
+    /// it (counted among the violations too).
+    pub fn refused_starts(&self) -> u64 {
+        self.broken
+            .get(super::supervisor::REFUSED_STARTS)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// The kept violation messages.
     pub fn examples(&self) -> &[String] {
         &self.examples
@@ -296,6 +305,7 @@ impl Verdict {
                     "over_attempts_allowed": tally.over_attempts_allowed,
                     "stale_settlements": tally.stale_settlements,
                     "corrupt": tally.corrupt,
+                    "refused_starts": tally.refused_starts(),
                     "other_violations": tally.broken,
                     "other_allowed": tally.allowed,
                     "violations": tally.violations(),
@@ -323,6 +333,7 @@ impl Verdict {
             "over_attempts_allowed": self.sum(|t| t.over_attempts_allowed),
             "stale_settlements": self.sum(|t| t.stale_settlements),
             "corrupt": self.sum(|t| t.corrupt),
+            "refused_starts": self.sum(Tally::refused_starts),
             "violations": self.violations(),
             "duration_ms": millis(self.elapsed),
             "workloads": workloads,

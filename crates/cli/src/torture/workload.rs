@@ -119,6 +119,12 @@ impl Files {
         self.dir.join("boot-id")
     }
 
+    /// Written by a life once its host has started, so the supervisor can
+    /// tell a host that refused to start from a life that failed later.
+    pub fn started(&self) -> PathBuf {
+        self.dir.join("started")
+    }
+
     /// What the producer saw accepted.
     pub fn produced(&self) -> PathBuf {
         self.dir.join("produced.jsonl")
