@@ -89,7 +89,8 @@ pub struct TortureArgs {
     /// Print the verdict as one JSON object (`power_cut`, `mode`, `kills`,
     /// `cuts`, `faults`, `accepted`, `completed`, `lost`, `lost_allowed`,
     /// `over_attempts`, `over_attempts_allowed`, `stale_settlements`,
-    /// `corrupt`, `violations`, per-workload detail) instead of a table.
+    /// `corrupt`, `refused_starts`, `violations`, per-workload detail)
+    /// instead of a table.
     #[arg(long)]
     json: bool,
     /// Check the run already in --data-dir again instead of running one
