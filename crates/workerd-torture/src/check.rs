@@ -519,8 +519,10 @@ fn check_alarms(objects: &BTreeMap<String, Object>, acks: &Acks, tally: &mut Tal
         let Some(object) = object_of(objects, name, tally) else {
             continue;
         };
-        for (alarm, &last) in alarms {
-            tally.accepted += 1;
+        for (alarm, &(last, schedules)) in alarms {
+            // Every acknowledged schedule counts; all but the last of a name
+            // end by being replaced, so the name stands or falls with it.
+            tally.accepted += schedules;
             // The occurrences at or after the last acknowledged schedule,
             // each by its generation.
             let mut occurrences: BTreeMap<&str, Vec<&Run>> = BTreeMap::new();
@@ -530,12 +532,14 @@ fn check_alarms(objects: &BTreeMap<String, Object>, acks: &Acks, tally: &mut Tal
                 }
             }
             if occurrences.values().any(|runs| ended(runs.iter().copied())) {
-                tally.completed += 1;
+                tally.completed += schedules;
+                tally.add("replaced", schedules - 1);
             } else {
                 tally.flag(
                     Violation::Lost,
                     format!("alarm {alarm} on {name} scheduled at {last} never fired or failed"),
                 );
+                tally.completed += schedules - 1;
             }
         }
     }
@@ -764,4 +768,151 @@ fn check_recurring(objects: &BTreeMap<String, Object>, tally: &mut Tally) {
     tally.completed = ran + skipped;
     tally.add("ticks_run", ran);
     tally.add("ticks_reported_missed", skipped);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(kind: &str, key: &str, attempt: u32, instance: &str, outcome: Option<&str>) -> Run {
+        Run {
+            kind: kind.into(),
+            key: key.into(),
+            generation: "g".into(),
+            attempt,
+            instance: instance.into(),
+            scheduled: None,
+            missed: None,
+            outcome: outcome.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn an_attempt_number_run_again_after_a_kill_is_a_duplicate_attempt() {
+        let mut tally = Tally::default();
+        let runs = [
+            run("op", "op-1", 1, "a", None),
+            run("op", "op-1", 1, "b", None),
+        ];
+        check_attempts(&runs, &mut tally);
+        assert_eq!(tally.broken.get("duplicate_attempts"), Some(&1));
+        assert_eq!(tally.violations(), 1);
+    }
+
+    #[test]
+    fn an_attempt_above_the_maximum_is_an_over_attempt() {
+        let mut tally = Tally::default();
+        let runs = [run("op", "op-1", MAX_ATTEMPTS + 1, "a", None)];
+        check_attempts(&runs, &mut tally);
+        assert_eq!(tally.over_attempts, 1);
+    }
+
+    #[test]
+    fn two_handlers_of_one_record_in_one_instance_overlap() {
+        let mut tally = Tally::default();
+        let runs = [
+            run("op", "op-1", 1, "a", None),
+            run("op", "op-1", 2, "a", None),
+        ];
+        check_attempts(&runs, &mut tally);
+        assert_eq!(tally.broken.get("overlapping_handlers"), Some(&1));
+    }
+
+    #[test]
+    fn retries_across_kills_within_the_maximum_are_clean() {
+        let mut tally = Tally::default();
+        let runs = [
+            run("op", "op-1", 1, "a", None),
+            run("op", "op-1", 2, "b", None),
+            run("op", "op-1", 2, "b", Some("transient")),
+            run("op", "op-1", 3, "b", None),
+            run("op", "op-1", 3, "b", Some("ok")),
+        ];
+        check_attempts(&runs, &mut tally);
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples);
+    }
+
+    fn acked_op(id: &str) -> Acks {
+        let mut acks = Acks::default();
+        acks.ops.entry("t-0".into()).or_default().insert(id.into());
+        acks
+    }
+
+    #[test]
+    fn an_acknowledged_operation_that_never_ended_is_lost() {
+        let mut object = Object::default();
+        object.runs = vec![run("op", "op-1", 1, "a", Some("transient"))];
+        object.calls.insert("op-1".into(), "pending".into());
+        let objects = BTreeMap::from([("t-0".to_owned(), object)]);
+        let mut tally = Tally::default();
+        check_operations(&objects, &acked_op("op-1"), &mut tally);
+        assert_eq!((tally.accepted, tally.lost), (1, 1));
+    }
+
+    #[test]
+    fn an_operation_whose_last_attempt_a_kill_cut_off_has_ended() {
+        let mut object = Object::default();
+        object.runs = vec![run("op", "op-1", MAX_ATTEMPTS, "a", None)];
+        object.calls.insert("op-1".into(), "failed".into());
+        let objects = BTreeMap::from([("t-0".to_owned(), object)]);
+        let mut tally = Tally::default();
+        check_operations(&objects, &acked_op("op-1"), &mut tally);
+        assert_eq!((tally.completed, tally.violations()), (1, 0));
+    }
+
+    fn tick(at: i64, missed: i64, generation: &str) -> Run {
+        Run {
+            generation: generation.into(),
+            scheduled: Some(at),
+            missed: Some(missed),
+            ..run("tick", SCHEDULES[1].name, 1, "a", None)
+        }
+    }
+
+    fn ticking(runs: Vec<Run>, pending: i64) -> BTreeMap<String, Object> {
+        let mut object = Object::default();
+        object.runs = runs;
+        for spec in &SCHEDULES {
+            object.schedules.insert(spec.name.into(), (0, 0));
+            object
+                .alarms
+                .insert(spec.name.into(), ("pending".into(), spec.interval_ms));
+        }
+        object
+            .alarms
+            .insert(SCHEDULES[1].name.into(), ("pending".into(), pending));
+        BTreeMap::from([("t-0".to_owned(), object)])
+    }
+
+    #[test]
+    fn a_recurring_gap_reported_missed_is_clean_and_one_not_reported_is_lost() {
+        let interval = SCHEDULES[1].interval_ms;
+        let reported = ticking(
+            vec![tick(interval, 0, "g1"), tick(4 * interval, 2, "g4")],
+            5 * interval,
+        );
+        let mut tally = Tally::default();
+        check_recurring(&reported, &mut tally);
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples);
+
+        let unreported = ticking(
+            vec![tick(interval, 0, "g1"), tick(4 * interval, 0, "g4")],
+            5 * interval,
+        );
+        let mut tally = Tally::default();
+        check_recurring(&unreported, &mut tally);
+        assert_eq!(tally.lost, 2, "{:?}", tally.examples);
+    }
+
+    #[test]
+    fn a_tick_run_as_two_occurrences_is_doubled() {
+        let interval = SCHEDULES[1].interval_ms;
+        let objects = ticking(
+            vec![tick(interval, 0, "g1"), tick(interval, 0, "g2")],
+            2 * interval,
+        );
+        let mut tally = Tally::default();
+        check_recurring(&objects, &mut tally);
+        assert_eq!(tally.broken.get("doubled_occurrences"), Some(&1));
+    }
 }

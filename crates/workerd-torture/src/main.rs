@@ -37,7 +37,7 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 
-use producer::{Answer, Client, OBJECTS, Producer, Shared, lock, object_name};
+use producer::{Answer, Client, OBJECTS, PRODUCERS, Producer, Shared, lock, object_name};
 use protocol::{Command, LOG_PAGE_RECORDS};
 use workerd::{Namespace, Workerd};
 
@@ -50,7 +50,7 @@ const NAMESPACE: Namespace = Namespace {
 /// When in a life the kill comes, after its objects answered: long enough
 /// for retries (100 ms apart) and recurring ticks to run within a life,
 /// short enough that 10 kills take well under three minutes.
-const KILL_AFTER_MS: std::ops::Range<u64> = 300..2_500;
+const KILL_AFTER_MS: std::ops::Range<u64> = 500..4_000;
 
 /// How long the final life produces before it drains.
 const FINAL_PRODUCTION: Duration = Duration::from_secs(2);
@@ -132,40 +132,61 @@ fn hello(client: &Client) -> Result<(), String> {
     Ok(())
 }
 
-/// One life that ends in a kill: produce on a thread until the seeded
-/// moment, SIGKILL workerd, then start it again on the same storage.
+/// Runs [`PRODUCERS`] producer threads while `during` runs, then stops and
+/// joins them.
+fn produce<T>(
+    client: &Client,
+    shared: &Arc<Mutex<Shared>>,
+    rng: &mut StdRng,
+    during: impl FnOnce(&mut StdRng) -> T,
+) -> Result<T, String> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads: Vec<_> = (0..PRODUCERS)
+        .map(|lane| {
+            let producer = Producer::new(
+                client.clone(),
+                Arc::clone(shared),
+                Arc::clone(&stop),
+                rng.random(),
+                lane,
+            );
+            std::thread::spawn(move || producer.run())
+        })
+        .collect();
+    let result = during(rng);
+    stop.store(true, Ordering::SeqCst);
+    for thread in threads {
+        thread
+            .join()
+            .map_err(|_| "a producer thread panicked".to_owned())?;
+    }
+    Ok(result)
+}
+
+/// One life that ends in a kill: produce until the seeded moment, SIGKILL
+/// workerd (the producers' requests in flight fail and stay in doubt),
+/// then start it again on the same storage.
 fn killed_life(
     workerd: &Workerd,
     client: &Client,
     shared: &Arc<Mutex<Shared>>,
     rng: &mut StdRng,
 ) -> Result<(), String> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = Producer::new(
-        client.clone(),
-        Arc::clone(shared),
-        Arc::clone(&stop),
-        rng.random(),
-    );
-    let kill_after = Duration::from_millis(rng.random_range(KILL_AFTER_MS));
-    let thread = std::thread::spawn(move || producer.run());
-    std::thread::sleep(kill_after);
-    workerd.kill()?;
-    stop.store(true, Ordering::SeqCst);
-    thread
-        .join()
-        .map_err(|_| "the producer thread panicked".to_owned())?;
+    produce(client, shared, rng, |rng| {
+        std::thread::sleep(Duration::from_millis(rng.random_range(KILL_AFTER_MS)));
+        workerd.kill()
+    })??;
     workerd.start()
 }
 
-/// What each object still owes, from its own answer.
-fn pending(client: &Client) -> Result<BTreeMap<String, Value>, String> {
+/// What each object still owes, from its own answer, by object number.
+fn pending(client: &Client) -> Result<BTreeMap<u64, Value>, String> {
     let mut all = BTreeMap::new();
     for n in 0..OBJECTS {
         let name = object_name(n);
         match client.send(&name, &Command::Pending) {
             Answer::Ok(value) => {
-                all.insert(name, value);
+                all.insert(n, value);
             }
             Answer::Failed(error) => return Err(format!("{name}: pending: {error}")),
         }
@@ -189,43 +210,37 @@ fn final_life(
     shared: &Arc<Mutex<Shared>>,
     rng: &mut StdRng,
 ) -> Result<BTreeMap<String, Value>, String> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let producer = Producer::new(
-        client.clone(),
-        Arc::clone(shared),
-        Arc::clone(&stop),
-        rng.random(),
-    );
-    let thread = std::thread::spawn(move || producer.run());
-    std::thread::sleep(FINAL_PRODUCTION);
-    stop.store(true, Ordering::SeqCst);
-    thread
-        .join()
-        .map_err(|_| "the producer thread panicked".to_owned())?;
+    produce(client, shared, rng, |_| {
+        std::thread::sleep(FINAL_PRODUCTION)
+    })?;
     let deadline = Instant::now() + DRAIN_TIMEOUT;
-    let resender = Producer::new(client.clone(), Arc::clone(shared), stop, 0);
+    let stop = Arc::new(AtomicBool::new(false));
+    let resender = Producer::new(client.clone(), Arc::clone(shared), stop, 0, 0);
     loop {
         let next = lock(shared).resend.pop_front();
         let Some((object, command)) = next else { break };
-        if !resender.send(&object, command) && Instant::now() > deadline {
+        if !resender.send(object, command) && Instant::now() > deadline {
             return Err("commands left in doubt are still refused after the drain timeout".into());
         }
     }
     loop {
         let left = pending(client)?;
         let mut all_settled = true;
-        for (name, value) in &left {
+        for (&object, value) in &left {
             if !settled(value) {
                 all_settled = false;
                 let lag = value.get("log_end").and_then(Value::as_u64).unwrap_or(0)
                     > value.get("cursor").and_then(Value::as_u64).unwrap_or(0);
                 if lag {
-                    resender.send(name, Command::LogConsume);
+                    resender.send(object, Command::LogConsume);
                 }
             }
         }
         if all_settled || Instant::now() > deadline {
-            return Ok(left);
+            return Ok(left
+                .into_iter()
+                .map(|(object, value)| (object_name(object), value))
+                .collect());
         }
         std::thread::sleep(Duration::from_millis(100));
     }

@@ -25,6 +25,12 @@ use crate::protocol::{ALARM_NAMES, Command};
 /// How many objects the workload spreads over.
 pub const OBJECTS: u64 = 4;
 
+/// Producer threads per life. Each owns the objects `n` with
+/// `n % PRODUCERS == lane`, so the commands to one object stay in the order
+/// they were made (a named alarm's times grow in the order they arrive),
+/// while two objects are called at once.
+pub const PRODUCERS: u64 = 2;
+
 /// The longest pause between two commands of the producer.
 const PACE_MAX_MS: u64 = 15;
 
@@ -43,8 +49,9 @@ pub struct Acks {
     /// Operation ids whose start was acknowledged.
     pub ops: BTreeMap<String, BTreeSet<String>>,
     /// Per alarm name: the time of its last acknowledged schedule (times
-    /// only grow per name, see [`Producer::alarm_time`]).
-    pub alarms: BTreeMap<String, BTreeMap<String, i64>>,
+    /// only grow per name, see [`alarm_time`]) and how many schedules of
+    /// it were acknowledged.
+    pub alarms: BTreeMap<String, BTreeMap<String, (i64, u64)>>,
     /// Fanout message ids whose batch was acknowledged.
     pub messages: BTreeMap<String, BTreeSet<String>>,
     /// Log keys and the offset their append answered.
@@ -63,12 +70,12 @@ pub struct Acks {
 #[derive(Debug, Default)]
 pub struct Shared {
     pub acks: Acks,
-    /// Commands to send again first in the next life.
-    pub resend: VecDeque<(String, Command)>,
+    /// Commands to send again first in the next life, by object number.
+    pub resend: VecDeque<(u64, Command)>,
     /// The next item number (ids and keys are made from it).
     next_item: u64,
-    /// Per (object, alarm name): the latest time ever sent.
-    alarm_sent: BTreeMap<(String, String), i64>,
+    /// Per (object number, alarm name): the latest time ever sent.
+    alarm_sent: BTreeMap<(u64, String), i64>,
 }
 
 /// Locks `shared`; a poisoned lock (a producer thread panicked) still holds
@@ -150,6 +157,8 @@ pub struct Producer {
     /// Set by the runner when it kills workerd (or ends production).
     pub stop: Arc<AtomicBool>,
     pub rng: StdRng,
+    /// Which objects this producer owns (see [`PRODUCERS`]).
+    lane: u64,
 }
 
 impl Producer {
@@ -158,28 +167,38 @@ impl Producer {
         shared: Arc<Mutex<Shared>>,
         stop: Arc<AtomicBool>,
         seed: u64,
+        lane: u64,
     ) -> Self {
         Producer {
             client,
             shared,
             stop,
             rng: StdRng::seed_from_u64(seed),
+            lane: lane % PRODUCERS,
         }
     }
 
-    /// Sends the commands left in doubt by the life before, then new ones,
-    /// until stopped. A command that fails goes back to the resend queue.
+    /// Sends the commands to its objects left in doubt by the life before,
+    /// then new ones, until stopped. A command that fails goes back to the
+    /// resend queue.
     pub fn run(mut self) {
         loop {
-            let next = lock(&self.shared).resend.pop_front();
+            let next = {
+                let mut shared = lock(&self.shared);
+                let mine = shared
+                    .resend
+                    .iter()
+                    .position(|(object, _)| object % PRODUCERS == self.lane);
+                mine.and_then(|index| shared.resend.remove(index))
+            };
             let Some((object, command)) = next else { break };
-            if self.stopped() || !self.send(&object, command) {
+            if self.stopped() || !self.send(object, command) {
                 return;
             }
         }
         while !self.stopped() {
             let (object, command) = self.next_command();
-            if !self.send(&object, command) {
+            if !self.send(object, command) {
                 return;
             }
             let pause = self.rng.random_range(0..=PACE_MAX_MS);
@@ -193,30 +212,31 @@ impl Producer {
 
     /// Sends one command and records its acknowledgement; `false` (and the
     /// command queued to be sent again) when it was not acknowledged.
-    pub fn send(&self, object: &str, command: Command) -> bool {
-        let answer = self.client.send(object, &command);
+    pub fn send(&self, object: u64, command: Command) -> bool {
+        let name = object_name(object);
+        let answer = self.client.send(&name, &command);
         let mut shared = lock(&self.shared);
         let kind = kind(&command);
         match answer {
             Answer::Ok(value) => {
                 *shared.acks.answered.entry(kind).or_default() += 1;
-                record(&mut shared.acks, object, command, &value);
+                record(&mut shared.acks, &name, command, &value);
                 true
             }
             Answer::Failed(_) => {
                 *shared.acks.in_doubt.entry(kind).or_default() += 1;
                 if !matches!(command, Command::AlarmSchedule { .. } | Command::LogConsume) {
-                    shared.resend.push_back((object.to_owned(), command));
+                    shared.resend.push_back((object, command));
                 }
                 false
             }
         }
     }
 
-    fn next_command(&mut self) -> (String, Command) {
+    fn next_command(&mut self) -> (u64, Command) {
         let mut shared = lock(&self.shared);
         let roll = self.rng.random_range(0..100);
-        let object = object_name(self.rng.random_range(0..OBJECTS));
+        let object = self.lane + PRODUCERS * self.rng.random_range(0..OBJECTS / PRODUCERS);
         let mut item = || {
             let item = shared.next_item;
             shared.next_item += 1;
@@ -242,7 +262,7 @@ impl Producer {
             _ => {
                 let name = ALARM_NAMES[self.rng.random_range(0..ALARM_NAMES.len())].to_owned();
                 let wanted = now_ms() + self.rng.random_range(50..1_500);
-                let at_ms = alarm_time(&mut shared, &object, &name, wanted);
+                let at_ms = alarm_time(&mut shared, object, &name, wanted);
                 Command::AlarmSchedule { name, at_ms }
             }
         };
@@ -254,10 +274,10 @@ impl Producer {
 /// ever sent for the name. Times of one name only grow, so the occurrence
 /// of the last acknowledged schedule, or of a later one (acknowledged or
 /// not), is the one that must fire.
-fn alarm_time(shared: &mut Shared, object: &str, name: &str, wanted: i64) -> i64 {
+fn alarm_time(shared: &mut Shared, object: u64, name: &str, wanted: i64) -> i64 {
     let sent = shared
         .alarm_sent
-        .entry((object.to_owned(), name.to_owned()))
+        .entry((object, name.to_owned()))
         .or_insert(i64::MIN);
     *sent = wanted.max(sent.saturating_add(1));
     *sent
@@ -283,13 +303,14 @@ fn record(acks: &mut Acks, object: &str, command: Command, value: &Value) {
             acks.ops.entry(object).or_default().insert(id);
         }
         Command::AlarmSchedule { name, at_ms } => {
-            let last = acks
+            let (last, count) = acks
                 .alarms
                 .entry(object)
                 .or_default()
                 .entry(name)
-                .or_insert(at_ms);
+                .or_insert((at_ms, 0));
             *last = (*last).max(at_ms);
+            *count += 1;
         }
         Command::FanoutEnqueue { ids } => {
             acks.messages.entry(object).or_default().extend(ids);
