@@ -840,8 +840,10 @@ mod tests {
 
     #[test]
     fn an_acknowledged_operation_that_never_ended_is_lost() {
-        let mut object = Object::default();
-        object.runs = vec![run("op", "op-1", 1, "a", Some("transient"))];
+        let mut object = Object {
+            runs: vec![run("op", "op-1", 1, "a", Some("transient"))],
+            ..Object::default()
+        };
         object.calls.insert("op-1".into(), "pending".into());
         let objects = BTreeMap::from([("t-0".to_owned(), object)]);
         let mut tally = Tally::default();
@@ -851,8 +853,10 @@ mod tests {
 
     #[test]
     fn an_operation_whose_last_attempt_a_kill_cut_off_has_ended() {
-        let mut object = Object::default();
-        object.runs = vec![run("op", "op-1", MAX_ATTEMPTS, "a", None)];
+        let mut object = Object {
+            runs: vec![run("op", "op-1", MAX_ATTEMPTS, "a", None)],
+            ..Object::default()
+        };
         object.calls.insert("op-1".into(), "failed".into());
         let objects = BTreeMap::from([("t-0".to_owned(), object)]);
         let mut tally = Tally::default();
@@ -870,8 +874,10 @@ mod tests {
     }
 
     fn ticking(runs: Vec<Run>, pending: i64) -> BTreeMap<String, Object> {
-        let mut object = Object::default();
-        object.runs = runs;
+        let mut object = Object {
+            runs,
+            ..Object::default()
+        };
         for spec in &SCHEDULES {
             object.schedules.insert(spec.name.into(), (0, 0));
             object
