@@ -32,8 +32,9 @@ use serde_json::Value;
 pub use fixture::Fixture;
 pub use fixture::alarms::{AlarmsCommand, RecurrenceSpec};
 pub use fixture::fanout::{FanoutCommand, FanoutSpec};
+pub use fixture::limits::LimitsCommand;
 pub use fixture::log::LogCommand;
-pub use fixture::migrations::{MigrationsCommand, Target};
+pub use fixture::migrations::{MigrateTo, MigrationsCommand};
 pub use fixture::operations::{OpSpec, OperationsCommand};
 pub use fixture::platform::PlatformCommand;
 pub use fixture::routing::RoutingCommand;
@@ -76,6 +77,8 @@ pub enum Command {
     Log(LogCommand),
     /// Load snapshots and the routing client.
     Routing(RoutingCommand),
+    /// The platform's limits: statements and builder settings beyond them.
+    Limits(LimitsCommand),
     /// What the fixture's handlers recorded under `kind`, in order.
     Events { kind: String },
 }
@@ -99,6 +102,7 @@ command_from!(
     Fanout(FanoutCommand),
     Log(LogCommand),
     Routing(RoutingCommand),
+    Limits(LimitsCommand),
 );
 
 /// How an object reaches other objects of the fixture's class by name:

@@ -7,9 +7,9 @@ use serde_json::{Value, json};
 
 use super::{Driver, ask, check};
 use crate::fixture::migrations::{CAPABILITY, MIGRATIONS};
-use crate::{MigrationsCommand, PlatformCommand, Target};
+use crate::{MigrateTo, MigrationsCommand, PlatformCommand};
 
-fn migrate(known: usize, target: Target) -> MigrationsCommand {
+fn migrate(known: usize, target: MigrateTo) -> MigrationsCommand {
     MigrationsCommand::Migrate {
         known,
         target,
@@ -88,11 +88,11 @@ pub(crate) async fn a_capability_applies_its_whole_list_once(
     prefix: &str,
 ) -> Result<(), String> {
     let object = format!("{prefix}-once");
-    let first = ask(driver, &object, migrate(3, Target::Latest)).await?;
+    let first = ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
     check(first["applied"] == names(0..3), || {
         format!("first run: {first}")
     })?;
-    let again = ask(driver, &object, migrate(3, Target::Latest)).await?;
+    let again = ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
     check(
         again["applied"] == json!([]) && again["rolled_back"] == json!([]),
         || format!("second run: {again}"),
@@ -113,8 +113,8 @@ pub(crate) async fn down_scripts_revert_to_a_named_target_and_to_none(
     prefix: &str,
 ) -> Result<(), String> {
     let object = format!("{prefix}-down");
-    ask(driver, &object, migrate(3, Target::Latest)).await?;
-    let to_first = Target::Named {
+    ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
+    let to_first = MigrateTo::Named {
         name: MIGRATIONS[0].name.into(),
     };
     let back = ask(driver, &object, migrate(3, to_first)).await?;
@@ -130,7 +130,7 @@ pub(crate) async fn down_scripts_revert_to_a_named_target_and_to_none(
                 .any(|t| t == "conformance_tags" || t == "conformance_links"),
         || format!("tables after reverting two: {left:?}"),
     )?;
-    let none = ask(driver, &object, migrate(3, Target::None)).await?;
+    let none = ask(driver, &object, migrate(3, MigrateTo::None)).await?;
     check(none["rolled_back"] == names(0..1), || {
         format!("to none: {none}")
     })?;
@@ -143,7 +143,7 @@ pub(crate) async fn down_scripts_revert_to_a_named_target_and_to_none(
     check(rows == json!([]), || {
         format!("history after reverting all: {rows}")
     })?;
-    let up = ask(driver, &object, migrate(3, Target::Latest)).await?;
+    let up = ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
     check(up["applied"] == names(0..3), || format!("up again: {up}"))
 }
 
@@ -152,9 +152,9 @@ pub(crate) async fn an_older_version_reverts_what_it_does_not_know_from_the_stor
     prefix: &str,
 ) -> Result<(), String> {
     let object = format!("{prefix}-older");
-    ask(driver, &object, migrate(3, Target::Latest)).await?;
+    ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
     // A version that knows only the first migration.
-    let older = ask(driver, &object, migrate(1, Target::Latest)).await?;
+    let older = ask(driver, &object, migrate(1, MigrateTo::Latest)).await?;
     check(
         older["rolled_back"] == json!([MIGRATIONS[2].name, MIGRATIONS[1].name]),
         || format!("an older version's run: {older}"),
@@ -162,8 +162,8 @@ pub(crate) async fn an_older_version_reverts_what_it_does_not_know_from_the_stor
     let rows = ask(driver, &object, history(CAPABILITY)).await?;
     check(rows == names(0..1), || format!("history: {rows}"))?;
     // Three unknown migrations are more than a version reverts on its own.
-    ask(driver, &object, migrate(3, Target::Latest)).await?;
-    let refused = ask(driver, &object, migrate(0, Target::Latest)).await?;
+    ask(driver, &object, migrate(3, MigrateTo::Latest)).await?;
+    let refused = ask(driver, &object, migrate(0, MigrateTo::Latest)).await?;
     check(
         refused["error"]
             .as_str()
@@ -183,7 +183,7 @@ pub(crate) async fn a_failing_up_script_rolls_back_its_whole_batch(
     let object = format!("{prefix}-failing");
     let command = MigrationsCommand::Migrate {
         known: 1,
-        target: Target::Latest,
+        target: MigrateTo::Latest,
         broken: true,
     };
     let failed = ask(driver, &object, command).await?;
@@ -216,7 +216,7 @@ pub(crate) async fn an_unknown_target_is_refused_and_changes_nothing(
         &object,
         migrate(
             3,
-            Target::Named {
+            MigrateTo::Named {
                 name: "nope".into(),
             },
         ),
