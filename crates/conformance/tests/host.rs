@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use durability_conformance::scenarios::{self, Driver};
 use durability_conformance::{Command, Fixture, PeerCall, Peers};
-use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Namespace};
+use durability_host::{AlarmInfo, BoxError, DurableObject, Host, Namespace, StorageLimits};
 use durability_platform::LocalBoxFuture;
 use serde_json::Value;
 
@@ -54,8 +54,11 @@ struct HostDriver {
 
 impl HostDriver {
     fn open(dir: PathBuf) -> Result<(Host, Namespace<HostFixture>, Slot), String> {
+        // Cloudflare's storage limits, so the limit scenarios meet the
+        // same typed refusals as inside workerd.
         let host = Host::builder(&dir)
             .threads(2)
+            .storage_limits(StorageLimits::CLOUDFLARE)
             .build()
             .map_err(|e| e.to_string())?;
         let slot: Slot = Arc::default();

@@ -10,6 +10,7 @@
 
 mod alarms;
 mod fanout;
+mod limits;
 mod log;
 mod migrations;
 mod operations;
@@ -71,6 +72,11 @@ pub const ALL: &[Scenario] = scenarios![
     platform::integers_are_stored_exactly_or_refused,
     platform::real_two_reads_back_as_f64,
     platform::pending_work_survives_a_restart_and_finishes_from_the_alarm,
+    limits::a_statement_binds_at_most_100_parameters,
+    limits::a_value_over_2_mb_is_refused_and_nothing_is_written,
+    limits::a_statement_text_over_100_kb_is_refused,
+    limits::body_limits_the_platform_cannot_store_are_refused_naming_the_setter,
+    limits::an_alarm_handoff_stays_below_the_platforms_cpu_limit,
     scheduler::one_physical_alarm_follows_the_earliest_work_of_every_capability,
     scheduler::the_pool_runs_at_most_its_concurrency_in_fifo_order,
     scheduler::work_inside_the_min_delay_runs_from_memory_and_the_alarm_stays_beyond_it,

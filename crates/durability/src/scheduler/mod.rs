@@ -306,6 +306,13 @@ impl Scheduler {
     pub fn now_ms(&self) -> EpochMs {
         self.engine.now()
     }
+
+    /// The wall time after which an alarm run hands its unfinished work to
+    /// a new alarm: the builder's `alarm_handoff`, or its default for this
+    /// platform (see [`SchedulerBuilder::alarm_handoff`]).
+    pub fn alarm_handoff(&self) -> Duration {
+        Duration::from_millis(self.engine.alarm_handoff_ms)
+    }
 }
 
 impl fmt::Debug for Scheduler {

@@ -1,0 +1,166 @@
+//! Cloudflare's limits, one scenario each: at the limit a statement runs,
+//! one past it is refused with `StorageError::LimitExceeded` naming the
+//! limit (never a runtime exception) and writes nothing; a body limit or an
+//! alarm handoff the platform could not honour is refused by `build`,
+//! naming the setter.
+
+use serde_json::{Value, json};
+
+use super::{Driver, ask, check};
+use crate::LimitsCommand;
+
+/// What a refused statement must say.
+fn refused(answer: &Value, limit: &str, value: usize, max: usize) -> bool {
+    answer["refused"] == json!({ "limit": limit, "value": value, "max": max })
+}
+
+async fn rows(driver: &dyn Driver, object: &str) -> Result<Value, String> {
+    ask(driver, object, LimitsCommand::Rows).await
+}
+
+pub(crate) async fn a_statement_binds_at_most_100_parameters(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-params");
+    let at = ask(
+        driver,
+        &object,
+        LimitsCommand::BindParameters { count: 100 },
+    )
+    .await?;
+    check(at["ok"] == 100, || format!("100 parameters: {at}"))?;
+    let over = ask(
+        driver,
+        &object,
+        LimitsCommand::BindParameters { count: 101 },
+    )
+    .await?;
+    check(refused(&over, "max_bound_parameters", 101, 100), || {
+        format!("101 parameters: {over}")
+    })?;
+    let rows = rows(driver, &object).await?;
+    check(rows == 100, || format!("rows after the refusal: {rows}"))
+}
+
+pub(crate) async fn a_value_over_2_mb_is_refused_and_nothing_is_written(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-value");
+    let under = ask(
+        driver,
+        &object,
+        LimitsCommand::StoreValue { bytes: 1_900_000 },
+    )
+    .await?;
+    check(under["ok"] == 1, || format!("1.9 MB value: {under}"))?;
+    let over = ask(
+        driver,
+        &object,
+        LimitsCommand::StoreValue { bytes: 2_000_001 },
+    )
+    .await?;
+    check(
+        refused(&over, "max_value_bytes", 2_000_001, 2_000_000),
+        || format!("2,000,001-byte value: {over}"),
+    )?;
+    let rows = rows(driver, &object).await?;
+    check(rows == 1, || format!("rows after the refusal: {rows}"))
+}
+
+pub(crate) async fn a_statement_text_over_100_kb_is_refused(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-statement");
+    let under = ask(
+        driver,
+        &object,
+        LimitsCommand::LongStatement { bytes: 99_000 },
+    )
+    .await?;
+    check(under["ok"].as_i64().is_some_and(|n| n > 98_000), || {
+        format!("a 99 KB statement: {under}")
+    })?;
+    let over = ask(
+        driver,
+        &object,
+        LimitsCommand::LongStatement { bytes: 100_001 },
+    )
+    .await?;
+    check(
+        refused(&over, "max_statement_bytes", 100_001, 100_000),
+        || format!("a 100,001-byte statement: {over}"),
+    )
+}
+
+pub(crate) async fn body_limits_the_platform_cannot_store_are_refused_naming_the_setter(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-bodies");
+    let largest = 2_000_000 - durability::limits::STORED_VALUE_OVERHEAD_BYTES;
+    for (capability, setter) in [
+        ("fanout", "max_body_bytes"),
+        ("log", "max_body_bytes"),
+        ("operations", "max_payload_bytes"),
+    ] {
+        let over = ask(
+            driver,
+            &object,
+            LimitsCommand::BodyLimit {
+                capability: capability.into(),
+                bytes: 2_000_000,
+            },
+        )
+        .await?;
+        check(
+            over["refused"]
+                == json!({
+                    "field": setter, "value": 2_000_000, "max": largest, "platform_max": 2_000_000,
+                }),
+            || format!("{capability} with a 2 MB body limit: {over}"),
+        )?;
+        let at = ask(
+            driver,
+            &object,
+            LimitsCommand::BodyLimit {
+                capability: capability.into(),
+                bytes: largest,
+            },
+        )
+        .await?;
+        check(at["built"] == true, || {
+            format!("{capability} with a {largest}-byte body limit: {at}")
+        })?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn an_alarm_handoff_stays_below_the_platforms_cpu_limit(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-handoff");
+    let default = ask(driver, &object, LimitsCommand::Handoff { ms: None }).await?;
+    match default["cpu_limit_ms"].as_u64() {
+        // A platform with a CPU limit per invocation (Cloudflare): the
+        // default handoff is half of it, and one at the limit is refused.
+        Some(limit) => {
+            check(default["handoff_ms"] == limit / 2, || {
+                format!("default handoff: {default}")
+            })?;
+            let at = ask(driver, &object, LimitsCommand::Handoff { ms: Some(limit) }).await?;
+            check(
+                at["refused"]
+                    == json!({ "field": "alarm_handoff", "value_ms": limit, "limit_ms": limit }),
+                || format!("a handoff at the CPU limit: {at}"),
+            )
+        }
+        // None (the embedded host): 14 minutes, the wall-time rule.
+        None => check(default["handoff_ms"] == 14 * 60_000, || {
+            format!("default handoff without a CPU limit: {default}")
+        }),
+    }
+}
