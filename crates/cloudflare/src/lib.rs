@@ -39,12 +39,16 @@
 //! | SQL `transactionSync` not bound | bound in [`CloudflareStorage`]; alarm calls inside it commit with the rows |
 //! | `getAlarm` is a Promise | loaded under `blockConcurrencyWhile`, kept current, reloaded per alarm |
 //! | integers are JavaScript numbers | outside ±(2^53 - 1) a typed [`StorageError::UnsafeInteger`](durability_platform::StorageError::UnsafeInteger); integral numbers read back as INTEGER ([`value`]) |
-//! | `rowsWritten` counts index writes | `execute` returns SQLite's `changes()` |
+//! | `rowsWritten` counts index writes | `execute` returns SQLite's `changes()`: as `RETURNING 1` rows of the write itself where that is certain ([`changes`](crate::changes)), else a `SELECT changes()` |
 //!
 //! On targets other than `wasm32` only [`value`] (the pure conversion rules)
 //! is compiled, so the workspace builds and tests on the host.
 
 pub mod value;
+
+// Pure, so its tests run on the host; only the wasm32 storage uses it.
+#[cfg(any(target_arch = "wasm32", test))]
+mod changes;
 
 #[cfg(target_arch = "wasm32")]
 mod context;

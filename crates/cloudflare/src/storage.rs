@@ -15,8 +15,10 @@
 //!   by every set and delete made through this storage; at the start of an
 //!   alarm delivery [`CloudflareStorage::refresh_alarm`] reloads it, since the
 //!   runtime clears the alarm that fired.
-//! - `rowsWritten` counts index writes too, so [`Sql::execute`] asks SQLite's
-//!   `changes()` with a second statement for the number the contract means.
+//! - `rowsWritten` counts index writes too, so [`Sql::execute`] counts the
+//!   rows SQLite's `changes()` would: from the write's own `RETURNING 1`
+//!   rows where that is certain (`crate::changes`), else with a second
+//!   statement, `SELECT changes()`.
 //! - Integers travel as JavaScript numbers: see [`crate::value`].
 
 use std::cell::{Cell, RefCell};
@@ -30,6 +32,7 @@ use worker::wasm_bindgen::{self, JsCast, JsValue, prelude::wasm_bindgen};
 use worker::wasm_bindgen_futures::{JsFuture, spawn_local};
 use worker::worker_sys::types::{DurableObjectStorage, SqlStorage};
 
+use crate::changes::returning_one;
 use crate::value::{classify_error, integer_to_number, number_to_value};
 
 #[wasm_bindgen(wasm_bindgen = wasm_bindgen)]
@@ -53,7 +56,8 @@ extern "C" {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SqlCounts {
     /// `sql.exec` calls: every statement of the capabilities, plus the
-    /// `SELECT changes()` that follows each [`Sql::execute`].
+    /// `SELECT changes()` after an [`Sql::execute`] whose statement could
+    /// not count its own rows.
     pub statements: u64,
     /// Parameters bound to those statements (one wasm-to-JavaScript call each).
     pub parameters: u64,
@@ -185,6 +189,16 @@ impl CloudflareStorage {
 
 impl Sql for CloudflareStorage {
     fn execute(&self, sql: &str, params: &[Value]) -> Result<usize, StorageError> {
+        // Only where the longer text stays within the statement limit, so
+        // a statement the caller may send is never refused for our suffix.
+        let counting = returning_one(sql)
+            .filter(|counting| counting.len() <= StorageLimits::CLOUDFLARE.max_statement_bytes);
+        if let Some(counting) = counting {
+            // One row per changed row, read in one call: the count without
+            // a second statement.
+            let cursor = self.exec(&counting, params)?;
+            return Ok(cursor.to_array().length() as usize);
+        }
         let cursor = self.exec(sql, params)?;
         // Run the statement to its end: a cursor left open may not have
         // stepped through every row it writes.
