@@ -282,7 +282,8 @@ fn run(args: &Args) -> Result<Run, String> {
             break;
         }
         life += 1;
-        if !args.json && kills % 10 == 0 {
+        // Progress goes to stderr, so `--json` keeps stdout one object.
+        if kills % 10 == 0 {
             eprintln!("workerd-torture: {kills} kills");
         }
     }
