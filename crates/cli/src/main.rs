@@ -2,7 +2,7 @@
 //! the capabilities, and the only code of the workspace that prints to the
 //! terminal.
 //!
-//! Each subcommand lives in its own module (`demo`, `inspect`, `serve`,
+//! Each subcommand lives in its own module (`demo`, `inspect`, `recover`, `serve`,
 //! `bench`, `torture`) with
 //! its own clap arguments and its own error type; this file only parses the
 //! command line, sets up logging and turns an error into an exit code.
@@ -12,6 +12,7 @@ mod demo;
 mod fuzz;
 mod inspect;
 mod modes;
+mod recover;
 mod serve;
 mod torture;
 
@@ -42,6 +43,10 @@ enum Command {
     /// Serve the dashboard of a data directory, read-only, without
     /// constructing any object (`/` is the page, `/api/objects` the JSON).
     Serve(serve::ServeArgs),
+    /// Apply what a damaged host journal can prove whole, move the damaged
+    /// segments aside and report per object what could not be applied
+    /// (when a start fails with "lost synced records").
+    Recover(recover::RecoverArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
@@ -69,6 +74,8 @@ enum CliError {
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
     Inspect(#[from] inspect::InspectError),
+    #[error(transparent)]
+    Recover(#[from] recover::RecoverError),
     #[error(transparent)]
     Serve(#[from] serve::ServeError),
     #[error(transparent)]
@@ -125,6 +132,7 @@ fn main() -> ExitCode {
                 Err(error) => fail(&CliError::from(error)),
             };
         }
+        Command::Recover(args) => recover::run(&args).map_err(CliError::from),
         Command::Serve(args) => serve::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
         // A torture verdict is printed whether it passed or not; the exit

@@ -73,12 +73,16 @@ pub enum HostError {
     /// garbled): replaying the records before it would roll objects back
     /// to an older state without a word, so nothing was replayed and no
     /// object file was touched. The disk did not keep what it acknowledged;
-    /// keep the directory as it is for inspection, and restore the objects
-    /// from a backup or accept the loss by moving the segment away.
+    /// copy the directory for inspection, then either restore the objects
+    /// from a backup or run `durability recover DATA_DIR`
+    /// ([`crate::recover_journal`]), which applies what it can prove whole,
+    /// moves the segment aside and reports what each object lost.
     #[error(
         "the host journal segment {segment} lost synced records: its replayable records end at \
          byte {at}, but a record a returned sync made durable lies at byte {found}; nothing was \
-         replayed and no object file was touched"
+         replayed and no object file was touched (`durability recover DATA_DIR` applies what can \
+         be proven whole, moves the segment aside and reports what each object lost; see \
+         docs/operating.md)"
     )]
     JournalLost {
         /// The segment file.
@@ -87,6 +91,17 @@ pub enum HostError {
         at: u64,
         /// Where the first record beyond them starts.
         found: u64,
+    },
+    /// A journal recovery ([`crate::recover_journal`], `durability
+    /// recover`) of this data directory stopped before it finished: its
+    /// writes may be half done, so no host starts until it is run again.
+    #[error(
+        "a journal recovery of this data directory did not finish ({dir} still holds its \
+         segments); run `durability recover DATA_DIR` again before starting a host"
+    )]
+    JournalRecoveryInterrupted {
+        /// The recovery's staging directory.
+        dir: PathBuf,
     },
     /// The host's alarm index (`index.sqlite` in the data directory) could
     /// not be opened or rebuilt for a reason other than damage (a damaged

@@ -947,6 +947,22 @@ pub fn replay_journal(data_dir: &Path) -> Result<(), HostError> {
     journal::recover(data_dir).map_err(|e| journal_error(data_dir, &e))
 }
 
+/// The way out when a start refuses the journal with
+/// [`HostError::JournalLost`]: applies every record of the journal left in
+/// `data_dir` that can be proven whole, moves each damaged segment aside
+/// (under `journal/damaged/`, never deleted) with the alarm index (rebuilt
+/// at the next start), and reports per object what it could not apply.
+/// On a journal that is whole it replays as a start would. Safe to run
+/// again after a crash in the middle: a start refuses the directory until
+/// a recovery has finished ([`HostError::JournalRecoveryInterrupted`]).
+/// Takes the data directory's lock ([`HostError::DataDirInUse`] while a
+/// host serves it). `durability recover DATA_DIR` runs it; see
+/// docs/operating.md for what is lost.
+pub fn recover_journal(data_dir: &Path) -> Result<journal::RecoveryReport, HostError> {
+    let _lock = lock_data_dir(data_dir)?;
+    journal::recover_damaged(data_dir).map_err(|e| journal_error(data_dir, &e))
+}
+
 fn journal_error(data_dir: &Path, error: &JournalError) -> HostError {
     if let JournalError::Lost { path, at, found } = error {
         return HostError::JournalLost {
@@ -954,6 +970,9 @@ fn journal_error(data_dir: &Path, error: &JournalError) -> HostError {
             at: *at as u64,
             found: *found as u64,
         };
+    }
+    if let JournalError::RecoveryInterrupted { path } = error {
+        return HostError::JournalRecoveryInterrupted { dir: path.clone() };
     }
     HostError::Io {
         path: data_dir.join(journal::JOURNAL_DIR),

@@ -51,7 +51,11 @@
 //!   replay then fails ([`JournalError::Lost`], naming the segment and the
 //!   offsets) before it writes anything.
 
+mod recovery;
 mod vfs;
+
+pub(crate) use recovery::recover as recover_damaged;
+pub use recovery::{ByteRange, DAMAGED_DIR, DamagedSegment, ObjectRecovery, RecoveryReport};
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -161,6 +165,10 @@ pub(crate) enum JournalError {
         at: usize,
         found: usize,
     },
+    #[error(
+        "{path} holds the segments of a journal recovery that did not finish; run the recovery again"
+    )]
+    RecoveryInterrupted { path: PathBuf },
     #[error("cannot register the journal's SQLite VFS: {0}")]
     Vfs(String),
     #[error("an earlier sync of the journal failed; it is not synced again (restart the host)")]
@@ -1015,6 +1023,7 @@ fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, 
 /// lost synced records leaves every file as it found it. Returns the
 /// newest segment's number (0 for none).
 fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
+    recovery::refuse_interrupted(dir)?;
     let segments = segments(dir)?;
     let Some(newest) = segments.last().map(|segment| segment.seq) else {
         return Ok(0);
@@ -1024,11 +1033,7 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
         let bytes = std::fs::read(&segment.path).map_err(io(&segment.path))?;
         ends.push(replayable(segment, &bytes, n + 1 == segments.len())?);
     }
-    // A few files open at a time (a journal may name more WALs than the
-    // process may open); every one written is synced by name at the end.
-    let mut files: HashMap<Vec<u8>, File> = HashMap::new();
-    let mut touched: HashSet<Vec<u8>> = HashSet::new();
-    let mut records = 0u64;
+    let mut replayer = Replayer::default();
     for (segment, end) in segments.iter().zip(ends) {
         let path = &segment.path;
         let bytes = std::fs::read(path).map_err(io(path))?;
@@ -1040,50 +1045,14 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
             else {
                 break;
             };
+            if record.kind != KIND_END {
+                replayer.apply(root, path, at, &record)?;
+            }
             at += len;
-            if record.kind == KIND_END {
-                continue;
-            }
-            if !valid_name(record.name) {
-                return Err(JournalError::BadName {
-                    path: path.clone(),
-                    at: at - len,
-                    name: String::from_utf8_lossy(record.name).into_owned(),
-                });
-            }
-            let target = root.join(std::ffi::OsStr::from_bytes(record.name));
-            if files.len() >= REPLAY_OPEN_FILES && !files.contains_key(record.name) {
-                files.clear();
-            }
-            if !touched.contains(record.name) {
-                touched.insert(record.name.to_vec());
-            }
-            let file = match files.entry(record.name.to_vec()) {
-                std::collections::hash_map::Entry::Occupied(file) => file.into_mut(),
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    if let Some(parent) = target.parent() {
-                        crate::directory::create_durably(parent).map_err(io(parent))?;
-                    }
-                    let file = OpenOptions::new()
-                        .write(true)
-                        .create(true)
-                        .truncate(false)
-                        .open(&target)
-                        .map_err(io(&target))?;
-                    slot.insert(file)
-                }
-            };
-            match record.kind {
-                KIND_WRITE => file.write_all_at(record.data, record.offset),
-                _ => file.set_len(record.offset),
-            }
-            .map_err(io(&target))?;
-            records += 1;
         }
     }
-    drop(files);
-    let names: Vec<Vec<u8>> = touched.into_iter().collect();
-    sync_files(root, names.iter().map(Vec::as_slice))?;
+    let (records, files) = (replayer.records, replayer.touched.len());
+    replayer.sync(root)?;
     for segment in &segments {
         std::fs::remove_file(&segment.path).map_err(io(&segment.path))?;
     }
@@ -1091,10 +1060,75 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
     tracing::info!(
         segments = segments.len(),
         records,
-        files = names.len(),
+        files,
         "journal replayed"
     );
     Ok(newest)
+}
+
+/// Writes records back into their WALs: a few files open at a time (a
+/// journal may name more WALs than the process may open), and every one
+/// written is synced by name at the end ([`Replayer::sync`]).
+#[derive(Default)]
+struct Replayer {
+    files: HashMap<Vec<u8>, File>,
+    touched: HashSet<Vec<u8>>,
+    records: u64,
+}
+
+impl Replayer {
+    /// Writes `record` (a write or a truncation, found at byte `at` of
+    /// the segment `path`) into its WAL under `root`.
+    fn apply(
+        &mut self,
+        root: &Path,
+        path: &Path,
+        at: usize,
+        record: &Record<'_>,
+    ) -> Result<(), JournalError> {
+        if !valid_name(record.name) {
+            return Err(JournalError::BadName {
+                path: path.to_path_buf(),
+                at,
+                name: String::from_utf8_lossy(record.name).into_owned(),
+            });
+        }
+        let target = root.join(std::ffi::OsStr::from_bytes(record.name));
+        if self.files.len() >= REPLAY_OPEN_FILES && !self.files.contains_key(record.name) {
+            self.files.clear();
+        }
+        if !self.touched.contains(record.name) {
+            self.touched.insert(record.name.to_vec());
+        }
+        let file = match self.files.entry(record.name.to_vec()) {
+            std::collections::hash_map::Entry::Occupied(file) => file.into_mut(),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                if let Some(parent) = target.parent() {
+                    crate::directory::create_durably(parent).map_err(io(parent))?;
+                }
+                let file = OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&target)
+                    .map_err(io(&target))?;
+                slot.insert(file)
+            }
+        };
+        match record.kind {
+            KIND_WRITE => file.write_all_at(record.data, record.offset),
+            _ => file.set_len(record.offset),
+        }
+        .map_err(io(&target))?;
+        self.records += 1;
+        Ok(())
+    }
+
+    /// Syncs every WAL written (and its directory).
+    fn sync(self, root: &Path) -> Result<(), JournalError> {
+        drop(self.files);
+        sync_files(root, self.touched.iter().map(Vec::as_slice))
+    }
 }
 
 /// `fdatasync`s the WALs `names` under `root` (a missing one was
@@ -1179,7 +1213,7 @@ mod tests {
     }
 
     /// Object file `objects/ab/<name>.sqlite` under `dir`, as [`open`].
-    fn open_object(journal: &Journal, dir: &Path, name: &str) -> Connection {
+    pub(super) fn open_object(journal: &Journal, dir: &Path, name: &str) -> Connection {
         let path = dir.join(format!("objects/ab/{name}.sqlite"));
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         let conn = Connection::open_with_flags_and_vfs(
@@ -1206,7 +1240,7 @@ mod tests {
         (dir, journal, conn)
     }
 
-    fn insert(conn: &Connection, range: std::ops::Range<i64>) {
+    pub(super) fn insert(conn: &Connection, range: std::ops::Range<i64>) {
         for n in range {
             conn.execute(
                 "INSERT INTO rows (n, body) VALUES (?1, ?2)",
@@ -1560,11 +1594,11 @@ mod tests {
 
     /// One write of a hand-made pass: the WAL's name, the offset, the
     /// bytes.
-    type Write = (Vec<u8>, u64, Vec<u8>);
+    pub(super) type Write = (Vec<u8>, u64, Vec<u8>);
 
     /// Writes segment `seq` into `dir` as [`Segment::append`] lays passes
     /// out; returns it.
-    fn write_segment(dir: &Path, seq: u64, passes: &[Vec<Write>]) -> SegmentFile {
+    pub(super) fn write_segment(dir: &Path, seq: u64, passes: &[Vec<Write>]) -> SegmentFile {
         let nonce = seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut bytes = Vec::new();
         for (n, pass) in passes.iter().enumerate() {
@@ -1589,7 +1623,7 @@ mod tests {
     }
 
     /// Where pass `pass` (from 1) of `segment` starts and ends.
-    fn pass_bounds(segment: &SegmentFile, pass: u64) -> (usize, usize) {
+    pub(super) fn pass_bounds(segment: &SegmentFile, pass: u64) -> (usize, usize) {
         let bytes = std::fs::read(&segment.path).unwrap();
         let mut at = 0;
         let mut start = None;
@@ -1606,7 +1640,7 @@ mod tests {
     }
 
     /// Zeros `len` bytes of `path` at `at`, as a lost write leaves them.
-    fn zero(path: &Path, at: usize, len: usize) {
+    pub(super) fn zero(path: &Path, at: usize, len: usize) {
         let file = OpenOptions::new().write(true).open(path).unwrap();
         file.write_all_at(&vec![0; len], at as u64).unwrap();
     }

@@ -61,8 +61,10 @@ pub use flush::FlushMethod;
 pub use host::FiredAlarm;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
-    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, replay_journal,
+    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, recover_journal,
+    replay_journal,
 };
+pub use journal::{ByteRange, DAMAGED_DIR, DamagedSegment, ObjectRecovery, RecoveryReport};
 pub use id::MAX_NAME_BYTES;
 pub use index::{BUILT_VERSION, INDEX_FILE, IndexRebuild, RebuildReason};
 pub use residency::{DEFAULT_MAX_LIVE_OBJECTS_CEILING, FDS_PER_LIVE_OBJECT, RESERVED_FDS};
