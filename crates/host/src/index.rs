@@ -277,6 +277,28 @@ impl AlarmIndex {
         Ok((index, rebuild))
     }
 
+    /// Builds the index of a data directory that has none yet, from its
+    /// object files, and closes it: what [`crate::backup::restore`] leaves
+    /// beside the objects it wrote, so that a host started on them finds a
+    /// complete index and wakes every due alarm at once. Unlike
+    /// [`AlarmIndex::open`] it logs nothing (nothing is wrong) and records
+    /// a clean stop, so the first start trusts it.
+    pub(crate) fn build_new(data_dir: &Path) -> Result<IndexRebuild, HostError> {
+        let path = data_dir.join(INDEX_FILE);
+        let index_error = |source: StorageError| HostError::Index {
+            path: path.clone(),
+            source,
+        };
+        let (conn, _) =
+            open_checked(&path, Synchronous::Full).map_err(|e| index_error(storage_error(e)))?;
+        let built = rebuild(&conn, data_dir, RebuildReason::Missing).map_err(index_error)?;
+        record_run(&conn, false, None).map_err(|e| index_error(storage_error(e)))?;
+        // Closing checkpoints the WAL into index.sqlite (synced, FULL).
+        conn.close()
+            .map_err(|(_, e)| index_error(storage_error(e)))?;
+        Ok(built)
+    }
+
     /// Records that this run stopped cleanly (synced): every object closed
     /// and every commit is durable, so the next start needs no rebuild.
     /// Only group-commit hosts record their runs.
@@ -631,14 +653,14 @@ fn rebuild(
 }
 
 /// One object file found under `objects/`.
-struct ObjectFile {
-    id: String,
-    path: PathBuf,
+pub(crate) struct ObjectFile {
+    pub(crate) id: String,
+    pub(crate) path: PathBuf,
 }
 
 /// Every object file of `data_dir` (names that are not object ids are
 /// skipped, as the host never makes them).
-fn object_files(data_dir: &Path) -> Result<Vec<ObjectFile>, StorageError> {
+pub(crate) fn object_files(data_dir: &Path) -> Result<Vec<ObjectFile>, StorageError> {
     let io = |path: &Path, e: std::io::Error| StorageError::Unavailable {
         message: format!("cannot list {}: {e}", path.display()),
     };

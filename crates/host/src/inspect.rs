@@ -130,7 +130,7 @@ fn read_into(path: &Path, summary: &mut ObjectSummary) -> rusqlite::Result<()> {
 }
 
 /// The errors SQLite gives for a WAL database in a directory it cannot write.
-fn cannot_open_read_only(error: &rusqlite::Error) -> bool {
+pub(crate) fn cannot_open_read_only(error: &rusqlite::Error) -> bool {
     matches!(
         error.sqlite_error_code(),
         Some(ErrorCode::ReadOnly | ErrorCode::CannotOpen)
@@ -138,7 +138,7 @@ fn cannot_open_read_only(error: &rusqlite::Error) -> bool {
 }
 
 /// Whether the file's `-wal` exists and holds anything.
-fn has_wal_frames(path: &Path) -> bool {
+pub(crate) fn has_wal_frames(path: &Path) -> bool {
     let mut wal = path.as_os_str().to_owned();
     wal.push("-wal");
     std::fs::metadata(wal).is_ok_and(|m| m.len() > 0)
@@ -146,7 +146,7 @@ fn has_wal_frames(path: &Path) -> bool {
 
 /// Opens `path` with SQLite's `immutable` URI parameter: no lock, no
 /// `-shm`, no look at a `-wal`.
-fn open_immutable(path: &Path) -> rusqlite::Result<Connection> {
+pub(crate) fn open_immutable(path: &Path) -> rusqlite::Result<Connection> {
     let mut uri = String::from("file:");
     for c in path.to_string_lossy().chars() {
         match c {

@@ -20,7 +20,9 @@
 //! object's database and alarm), `flush` (group commit and the output
 //! gates), `index` (the host's alarm index), `id`
 //! (names, ids and paths), `clock`, `context`, [`inspect`] (read-only
-//! listing of a data directory), [`telemetry`] (metric names).
+//! listing of a data directory), [`backup`] (consistent copies of a
+//! running data directory, their verification and restore),
+//! [`telemetry`] (metric names).
 //!
 //! [`Host`] opens with a runnable example: a namespace, a stub, a call.
 //!
@@ -32,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backup;
 mod clock;
 mod context;
 mod directory;
@@ -52,6 +55,7 @@ mod work;
 
 use std::future::Future;
 
+pub use backup::backup_dir;
 pub use context::ObjectContext;
 pub use durability_platform::{AlarmInfo, ObjectId, StorageLimits};
 pub use error::{CallError, HostError};
@@ -64,9 +68,9 @@ pub use host::{
     MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, recover_journal,
     replay_journal,
 };
-pub use journal::{ByteRange, DAMAGED_DIR, DamagedSegment, ObjectRecovery, RecoveryReport};
 pub use id::MAX_NAME_BYTES;
 pub use index::{BUILT_VERSION, INDEX_FILE, IndexRebuild, RebuildReason};
+pub use journal::{ByteRange, DAMAGED_DIR, DamagedSegment, ObjectRecovery, RecoveryReport};
 pub use residency::{DEFAULT_MAX_LIVE_OBJECTS_CEILING, FDS_PER_LIVE_OBJECT, RESERVED_FDS};
 
 /// An error of an object's own code (factory, alarm handler). It need not
