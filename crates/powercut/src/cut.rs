@@ -16,7 +16,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::state::{Handle, STASH_DIR, State};
-use crate::undo::{BLOCK_BYTES, Change, FileUndo, SECTOR_BYTES};
+use crate::undo::{BLOCK_BYTES, Change, FileUndo, SECTOR_BYTES, read_up_to};
 use crate::{CutReport, Fault, PowerCutError};
 
 /// What becomes of one unsynced block.
@@ -118,8 +118,11 @@ pub(crate) fn apply(
         .collect();
     targets.sort_by(|a, b| a.0.cmp(&b.0));
 
+    // Seeded apart from the plan's draws, so the garbage of one seed is
+    // the same whatever the plan drew before.
+    let mut garble = (fault == Fault::TornOverwrite).then(|| StdRng::seed_from_u64(!seed));
     let mut plan = match fault {
-        Fault::Drop | Fault::Metadata => Plan::Drop,
+        Fault::Drop | Fault::Metadata | Fault::TornOverwrite => Plan::Drop,
         Fault::Reorder => {
             let blocks: u64 = targets.iter().map(|(_, u)| u.blocks.len() as u64).sum();
             let torn = (blocks > 0).then(|| rng.random_range(0..blocks));
@@ -132,7 +135,7 @@ pub(crate) fn apply(
     };
     for (relative, undo) in &targets {
         let backing = state.backing(relative);
-        restore_file(&backing, undo, &mut plan, &mut report)
+        restore_file(&backing, undo, &mut plan, garble.as_mut(), &mut report)
             .map_err(io_error("restore the unsynced data of", &backing))?;
     }
 
@@ -141,11 +144,13 @@ pub(crate) fn apply(
     Ok(report)
 }
 
-/// Brings one file to what the plan says survived.
+/// Brings one file to what the plan says survived; with `garble`, then
+/// tears the overwrites of synced bytes ([`Fault::TornOverwrite`]).
 fn restore_file(
     backing: &Path,
     undo: &FileUndo,
     plan: &mut Plan,
+    garble: Option<&mut StdRng>,
     report: &mut CutReport,
 ) -> io::Result<()> {
     let file = match OpenOptions::new().read(true).write(true).open(backing) {
@@ -153,6 +158,15 @@ fn restore_file(
         // Removed durably since: nothing of it survives.
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
+    };
+    // What the writes put there, read before the blocks go back.
+    let written: Vec<(u64, u64, Vec<u8>)> = match garble {
+        Some(_) => undo
+            .overwritten
+            .iter()
+            .map(|(&start, &end)| Ok((start, end, read_up_to(&file, start, end - start)?)))
+            .collect::<io::Result<_>>()?,
+        None => Vec::new(),
     };
     let current = file.metadata()?.len();
     let size = plan.size(current, undo.synced_size);
@@ -180,7 +194,34 @@ fn restore_file(
             size,
         )?;
     }
+    if let Some(rng) = garble {
+        for (start, end, new) in written {
+            report.bytes_garbled += tear(&file, start, end.min(size), &new, rng)?;
+        }
+    }
     Ok(())
+}
+
+/// Overwrites `start..end` of `file` (its synced content, put back) with
+/// bytes that differ from both what was there and `new`, what the torn
+/// write was writing (shorter where the file was truncated since).
+/// Returns how many bytes it garbled.
+fn tear(file: &File, start: u64, end: u64, new: &[u8], rng: &mut StdRng) -> io::Result<u64> {
+    if start >= end {
+        return Ok(0);
+    }
+    let mut bytes = read_up_to(file, start, end - start)?;
+    for (at, byte) in bytes.iter_mut().enumerate() {
+        let (old, new) = (*byte, new.get(at).copied());
+        let mut garbage: u8 = rng.random();
+        // At most two steps: two values are ruled out.
+        while garbage == old || Some(garbage) == new {
+            garbage = garbage.wrapping_add(1);
+        }
+        *byte = garbage;
+    }
+    file.write_all_at(&bytes, start)?;
+    Ok(bytes.len() as u64)
 }
 
 /// Puts the synced content back into `block_start + old_from ..` of one

@@ -76,6 +76,15 @@ pub enum Fault {
     /// first, so the namespace is what it was at some moment after the
     /// last directory sync.
     Metadata,
+    /// As [`Fault::Drop`], and every unsynced write that overwrote bytes a
+    /// sync had made durable was torn as it wrote them: each of those
+    /// bytes reads back as garbage, neither its synced nor its new value,
+    /// even where the two were equal (a disk's model of a power loss
+    /// during a write: what it was writing is undefined, and SQLite's
+    /// without powersafe overwrite). Bytes no unsynced write covered, and
+    /// writes beyond the synced size, are left as [`Fault::Drop`] leaves
+    /// them.
+    TornOverwrite,
 }
 
 /// What one cut changed.
@@ -89,6 +98,9 @@ pub struct CutReport {
     pub blocks_kept: u64,
     /// Blocks torn at a sector ([`Fault::Reorder`]).
     pub blocks_torn: u64,
+    /// Synced bytes that unsynced writes overwrote, garbled
+    /// ([`Fault::TornOverwrite`]).
+    pub bytes_garbled: u64,
     /// Namespace changes undone ([`Fault::Metadata`]).
     pub undone: usize,
     /// Namespace changes no directory sync had covered when the power

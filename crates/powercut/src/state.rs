@@ -162,7 +162,9 @@ impl State {
             return Err(io::Error::from_raw_os_error(libc::ENOSPC));
         }
         let end = offset + data.len() as u64;
-        self.file_undo(ino, file)?.capture(file, offset, end)?;
+        let undo = self.file_undo(ino, file)?;
+        undo.capture(file, offset, end)?;
+        undo.overwrite(offset, end);
         file.write_all_at(data, offset)
     }
 

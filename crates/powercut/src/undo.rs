@@ -2,14 +2,16 @@
 //!
 //! Every change reaches the backing directory at once (so reads are plain
 //! passthrough); this module keeps the undo record of the changes no sync
-//! has covered: per file, the synced size and the synced content of each
-//! 4 KiB block written since; for the namespace, a log of the changes no
-//! directory sync has covered. It reads the backing files to capture
+//! has covered: per file, the synced size, the synced content of each
+//! 4 KiB block written since and the byte ranges whose synced content a
+//! write overwrote; for the namespace, a log of the changes no directory
+//! sync has covered. It reads the backing files to capture
 //! pre-images and never writes them: applying the record is the cut's job.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 
@@ -32,6 +34,11 @@ pub(crate) struct FileUndo {
     /// if the size it lies in survives); a block straddling the synced size
     /// has only the bytes below it.
     pub(crate) blocks: BTreeMap<u64, Option<Vec<u8>>>,
+    /// The bytes below the synced size that writes since the sync covered
+    /// (start to end, disjoint, not adjacent): synced content a write was
+    /// overwriting when the power went, which [`crate::Fault::TornOverwrite`]
+    /// garbles. Truncations are not writes and add nothing.
+    pub(crate) overwritten: BTreeMap<u64, u64>,
     /// Blocks a failed sync should have made durable and that were not
     /// written since: Linux marks their pages clean after the writeback
     /// error, so a later sync that succeeds does not cover them.
@@ -45,8 +52,33 @@ impl FileUndo {
         FileUndo {
             synced_size,
             blocks: BTreeMap::new(),
+            overwritten: BTreeMap::new(),
             poisoned: BTreeSet::new(),
         }
+    }
+
+    /// A write is about to cover `start..end`: keeps the part of it below
+    /// the synced size, merged with the ranges kept so far.
+    pub(crate) fn overwrite(&mut self, start: u64, end: u64) {
+        let end = end.min(self.synced_size);
+        if start >= end {
+            return;
+        }
+        let mut merged = start..end;
+        // Every kept range that overlaps or touches `merged` joins it.
+        let touching: Vec<Range<u64>> = self
+            .overwritten
+            .range(..=end)
+            .rev()
+            .take_while(|&(_, &e)| e >= start)
+            .map(|(&s, &e)| s..e)
+            .collect();
+        for range in touching {
+            self.overwritten.remove(&range.start);
+            merged.start = merged.start.min(range.start);
+            merged.end = merged.end.max(range.end);
+        }
+        self.overwritten.insert(merged.start, merged.end);
     }
 
     /// Captures the synced content of the blocks overlapping
@@ -81,6 +113,10 @@ impl FileUndo {
     pub(crate) fn synced(&mut self, current_size: u64) -> bool {
         let poisoned = &self.poisoned;
         self.blocks.retain(|block, _| poisoned.contains(block));
+        // What a poisoned block's writes overwrote is still in flight.
+        self.overwritten.retain(|&start, end| {
+            (start / BLOCK_BYTES..end.div_ceil(BLOCK_BYTES)).any(|block| poisoned.contains(&block))
+        });
         self.synced_size = current_size;
         self.blocks.is_empty()
     }
