@@ -3,10 +3,11 @@
 //! terminal.
 //!
 //! Each subcommand lives in its own module (`demo`, `inspect`, `recover`, `serve`,
-//! `bench`, `torture`) with
+//! `backup` (with `verify` and `restore`), `bench`, `torture`) with
 //! its own clap arguments and its own error type; this file only parses the
 //! command line, sets up logging and turns an error into an exit code.
 
+mod backup;
 mod bench;
 mod demo;
 mod fuzz;
@@ -47,6 +48,15 @@ enum Command {
     /// segments aside and report per object what could not be applied
     /// (when a start fails with "lost synced records").
     Recover(recover::RecoverArgs),
+    /// Copy every object of a data directory consistently (a host may be
+    /// serving it) into a new directory, with a manifest of SHA-256s.
+    Backup(backup::BackupArgs),
+    /// Check every object of a backup against its manifest and with
+    /// `PRAGMA integrity_check`; exits non-zero naming each bad object.
+    Verify(backup::VerifyArgs),
+    /// Write a verified backup (or some of its objects) into an empty data
+    /// directory that no host holds, with its alarm index.
+    Restore(backup::RestoreArgs),
     /// Measure a scenario: progress bars, a summary table, optional JSON.
     #[command(after_help = bench::AFTER_HELP)]
     Bench(bench::BenchArgs),
@@ -76,6 +86,8 @@ enum CliError {
     Inspect(#[from] inspect::InspectError),
     #[error(transparent)]
     Recover(#[from] recover::RecoverError),
+    #[error(transparent)]
+    Backup(#[from] backup::BackupCommandError),
     #[error(transparent)]
     Serve(#[from] serve::ServeError),
     #[error(transparent)]
@@ -133,6 +145,9 @@ fn main() -> ExitCode {
             };
         }
         Command::Recover(args) => recover::run(&args).map_err(CliError::from),
+        Command::Backup(args) => backup::run_backup(&args).map_err(CliError::from),
+        Command::Verify(args) => backup::run_verify(&args).map_err(CliError::from),
+        Command::Restore(args) => backup::run_restore(&args).map_err(CliError::from),
         Command::Serve(args) => serve::run(&args).map_err(CliError::from),
         Command::Bench(args) => bench::run(&args).map_err(CliError::from),
         // A torture verdict is printed whether it passed or not; the exit
