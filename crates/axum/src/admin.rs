@@ -13,6 +13,7 @@
 //! the routes are not mounted at all.
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -70,6 +71,8 @@ pub struct Admin {
     pub(crate) redrive_parked: Option<IdsAction>,
     pub(crate) purge_parked: Option<IdsAction>,
     pub(crate) purge_operations: Option<BeforeAction>,
+    /// Where `POST /api/backup` writes its backups, if enabled.
+    pub(crate) backups: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -78,6 +81,7 @@ impl std::fmt::Debug for Admin {
             .field("redrive_parked", &self.redrive_parked.is_some())
             .field("purge_parked", &self.purge_parked.is_some())
             .field("purge_operations", &self.purge_operations.is_some())
+            .field("backups", &self.backups)
             .finish_non_exhaustive()
     }
 }
@@ -98,6 +102,7 @@ impl Admin {
             redrive_parked: None,
             purge_parked: None,
             purge_operations: None,
+            backups: None,
         })
     }
 
@@ -132,6 +137,16 @@ impl Admin {
         Fut: Future<Output = Result<u64, AdminError>> + Send + 'static,
     {
         self.purge_operations = Some(Arc::new(move |o, before| Box::pin(action(o, before))));
+        self
+    }
+
+    /// `POST /api/backup` backs up every object of the data directory
+    /// (`Host::backup` with a host, `durability_host::backup_dir`
+    /// without) into a new directory `backup-<epoch ms>` under `dir`, and
+    /// replies with `objects`, `bytes`, `seconds`, `manifest` and `dest`.
+    /// The request names no path: only `dir`, chosen here, is written.
+    pub fn backups_to(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.backups = Some(dir.into());
         self
     }
 

@@ -10,7 +10,10 @@
 //!   [`DashboardBuilder::refresh_interval`] and swap it in, so the figures
 //!   move without a full reload (the page works without script, too).
 //! - `GET /api/objects` (`{"objects": [...]}`) and `GET /api/objects/{id}`:
-//!   the same state as JSON.
+//!   the same state as JSON; `GET /api/backup` the last backup of the data
+//!   directory (`{"last_backup": ... | null}`), which the page shows too.
+//! - `POST /api/backup` (admin, with [`Admin::backups_to`]): a backup of
+//!   every object into a new directory, see `durability_host::backup`.
 //! - Admin actions, only when [`DashboardBuilder::admin`] was given an
 //!   [`Admin`]: every one is a `POST` that needs `Authorization: Bearer
 //!   <token>`, compared in constant time. Without an `Admin` the routes do

@@ -20,6 +20,8 @@ pub(crate) struct Context<'a> {
     pub admin: bool,
     pub metrics: bool,
     pub read_only: bool,
+    /// What `last-backup.json` of the data directory records.
+    pub last_backup: Option<durability_host::backup::LastBackup>,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -69,6 +71,7 @@ td.num, th.num { text-align:right; }
 .pill.bad { background:#fef3f2; color:var(--bad); } .pill.ok { background:#ecfdf3; color:var(--ok); }
 .pill.warn { background:#fffaeb; color:var(--warn); }
 .empty { color:var(--muted); }
+.backup { font-size:12px; color:var(--muted); margin:-10px 0 18px; }
 footer { color:var(--muted); font-size:12px; padding:0 28px 24px; }
 "#;
 
@@ -169,6 +172,7 @@ pub(crate) fn body(ctx: &Context<'_>, objects: &[ObjectView]) -> String {
         "",
     );
     html.push_str("</section>");
+    backup_line(&mut html, ctx);
     if objects.is_empty() {
         html.push_str(r#"<p class="empty">No objects in this data directory yet.</p>"#);
         return html;
@@ -353,6 +357,26 @@ fn log_section(html: &mut String, log: &LogState) {
         );
     }
     html.push_str("</table>");
+}
+
+/// When the data directory was last backed up, and where to.
+fn backup_line(html: &mut String, ctx: &Context<'_>) {
+    match &ctx.last_backup {
+        Some(last) => {
+            let _ = write!(
+                html,
+                r#"<p class="backup">last backup {when}: {objects} objects, {bytes} in {seconds:.1} s, to <code>{dest}</code></p>"#,
+                when = relative(last.finished_ms, ctx.now_ms),
+                objects = last.objects,
+                bytes = size(last.bytes),
+                seconds = last.seconds,
+                dest = escape(&last.dest),
+            );
+        }
+        None => html.push_str(
+            r#"<p class="backup empty">no backup recorded (durability backup DATA_DIR DEST)</p>"#,
+        ),
+    }
 }
 
 /// `in 3.2 s` / `12 s ago` / `in 4 min`.

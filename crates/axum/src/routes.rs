@@ -39,6 +39,13 @@ pub(crate) fn router(state: Shared) -> Router {
         .route("/fragment", get(fragment))
         .route("/api/objects", get(list))
         .route("/api/objects/{id}", get(one));
+    // One route per path: the admin's POST joins the GET on it.
+    let backup_route = if state.admin.is_some() {
+        get(last_backup).post(backup)
+    } else {
+        get(last_backup)
+    };
+    router = router.route("/api/backup", backup_route);
     if state.admin.is_some() {
         router = router
             .route("/api/objects/{id}/evict", post(evict))
@@ -99,8 +106,23 @@ fn now_ms(state: &State) -> EpochMs {
     }
 }
 
-fn context(state: &State, base: String) -> page::Context<'_> {
+/// The last backup the data directory records (a small file, read on the
+/// blocking pool like the object files).
+async fn read_last_backup(state: &Shared) -> Option<durability_host::backup::LastBackup> {
+    let dir = state.data_dir.clone();
+    tokio::task::spawn_blocking(move || durability_host::backup::last_backup(&dir))
+        .await
+        .ok()
+        .flatten()
+}
+
+fn context(
+    state: &State,
+    base: String,
+    last_backup: Option<durability_host::backup::LastBackup>,
+) -> page::Context<'_> {
     page::Context {
+        last_backup,
         base,
         title: &state.title,
         now_ms: now_ms(state),
@@ -137,12 +159,14 @@ type Reply = Result<Response, Refusal>;
 
 async fn index(Extract(state): Extract<Shared>, OriginalUri(uri): OriginalUri) -> Reply {
     let objects = read_objects(&state).await?;
-    Ok(Html(page::full(&context(&state, base_of(&uri)), &objects)).into_response())
+    let last = read_last_backup(&state).await;
+    Ok(Html(page::full(&context(&state, base_of(&uri), last), &objects)).into_response())
 }
 
 async fn fragment(Extract(state): Extract<Shared>) -> Reply {
     let objects = read_objects(&state).await?;
-    Ok(Html(page::body(&context(&state, String::new()), &objects)).into_response())
+    let last = read_last_backup(&state).await;
+    Ok(Html(page::body(&context(&state, String::new(), last), &objects)).into_response())
 }
 
 async fn list(Extract(state): Extract<Shared>) -> Reply {
@@ -308,6 +332,44 @@ async fn purge_operations(
         .await
         .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
     Ok(Json(json!({ "purged": count })).into_response())
+}
+
+/// `GET /api/backup`: the last backup recorded in the data directory.
+async fn last_backup(Extract(state): Extract<Shared>) -> Reply {
+    let last = read_last_backup(&state).await;
+    Ok(Json(json!({ "last_backup": last })).into_response())
+}
+
+/// `POST /api/backup`: a backup into a new directory under the admin's
+/// backup directory.
+async fn backup(Extract(state): Extract<Shared>, headers: HeaderMap) -> Reply {
+    let admin = authorize(&state, &headers)?;
+    let dir = admin.backups.clone().ok_or_else(not_wired)?;
+    let dest = dir.join(format!("backup-{}", now_ms(&state)));
+    let made = match &state.host {
+        Some(host) => host.backup(&dest).await,
+        None => {
+            let (data_dir, dest) = (state.data_dir.clone(), dest.clone());
+            tokio::task::spawn_blocking(move || durability_host::backup_dir(&data_dir, &dest))
+                .await
+                .map_err(|join| error(StatusCode::INTERNAL_SERVER_ERROR, join.to_string()))?
+        }
+    };
+    let report = made.map_err(|e| {
+        let status = match e {
+            durability_host::backup::BackupError::DestinationExists { .. } => StatusCode::CONFLICT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        error(status, e.to_string())
+    })?;
+    Ok(Json(json!({
+        "objects": report.objects,
+        "bytes": report.bytes,
+        "seconds": report.elapsed.as_secs_f64(),
+        "manifest": report.manifest_path.display().to_string(),
+        "dest": report.dest.display().to_string(),
+    }))
+    .into_response())
 }
 
 #[cfg(feature = "prometheus")]
