@@ -9,7 +9,9 @@
 //! records gathered since the last pass to the current *segment* and syncs
 //! that one file; the WAL files themselves stay in the page cache, while
 //! the segment, read only by a replay, is written past it (direct I/O, in
-//! whole blocks: [`direct_io`]). After a
+//! whole blocks: [`direct_io`]). Each pass starts at a fresh block, the
+//! tail of the previous pass's last block padded with zeros: no write
+//! touches a byte that a returned sync made durable (see below). After a
 //! power cut, the host's next start *replays* the segments before it opens
 //! any object: it writes every record back into its WAL, in order, syncs
 //! those files, and starts a fresh segment. Each WAL then holds at least
@@ -42,6 +44,14 @@
 //!   an end record. A pass that lacks its end was torn by a power cut
 //!   before its sync returned, so no reply waited for it; a replay applies
 //!   every whole pass and stops there.
+//! - A pass starts at a block boundary ([`Format::V3`]); the bytes between
+//!   its end record and the next boundary are padding, which no replay
+//!   reads. A disk may garble the bytes a write was writing when the
+//!   power went, even bytes it rewrote unchanged (SQLite's model of a
+//!   power loss without powersafe overwrite), so a flush that wrote the
+//!   last, partly filled block again would put synced records at the
+//!   mercy of the next cut. Starting afresh costs the padding: at most one
+//!   block a pass, half of one on average.
 //! - A sync returns before the next pass is written, so past the torn
 //!   pass nothing may decode but records of that same pass (blocks a
 //!   disk's cache wrote out of order). A record of any other pass there,
@@ -100,10 +110,15 @@ struct Zeros([u8; 64 << 10]);
 /// 2,654 ops/s (p50 335 us) instead of 1,691-2,086 (p50 465-553 us).
 const ZERO_BELOW: usize = 64 << 10;
 
-/// First bytes of every record.
-const MAGIC: [u8; 4] = *b"DJR2";
-/// Magic, nonce, pass, kind, name length, data length, offset.
+/// First bytes of every record of the current format ([`Format::V3`]).
+const MAGIC: [u8; 4] = *b"DJR3";
+/// Magic, nonce, pass, kind, name length, data length, offset (the header
+/// of [`Format::V2`] and [`Format::V3`]).
 const HEADER_LEN: usize = 4 + 8 + 8 + 1 + 2 + 4 + 8;
+/// First bytes of a record of the second format (passes written one
+/// after another, each flush writing the last block again), which a host
+/// upgraded after a power cut still replays.
+const MAGIC_V2: [u8; 4] = *b"DJR2";
 /// First bytes of a record of the first format (no passes), which a host
 /// upgraded after a power cut still replays.
 const MAGIC_V1: [u8; 4] = *b"DJR1";
@@ -211,16 +226,62 @@ struct Segment {
     nonce: u64,
     /// Passes appended so far.
     passes: u64,
-    /// Bytes of records.
+    /// Bytes of passes, padding included: where the next pass starts, at a
+    /// block boundary.
     len: u64,
+    /// Bytes of padding among them.
+    padding: u64,
     /// Bytes of the file written (zeros past `len`).
     allocated: u64,
     /// The WALs it holds records of, with the number of the last: it may
     /// be deleted once each is settled through it.
     written: HashMap<usize, (Arc<Wal>, u64)>,
-    /// What the next sync writes, kept between syncs: the bytes of the
-    /// last block that `len` ends in, then the records encoded.
+    /// What the next sync writes, kept (emptied) between syncs so its
+    /// buffer is reused.
     encoded: Blocks,
+    /// Its writes and syncs, as tests see them.
+    log: IoLog,
+}
+
+/// What a segment wrote and synced: kept by tests (to check that no write
+/// touches a byte a returned sync made durable), nothing otherwise.
+#[derive(Default)]
+struct IoLog {
+    #[cfg(test)]
+    ops: Vec<Io>,
+}
+
+/// One operation on a segment's file.
+#[cfg(test)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Io {
+    /// A pass's blocks, from..to.
+    Records(std::ops::Range<u64>),
+    /// Zeros ahead of the records, from..to.
+    Zeros(std::ops::Range<u64>),
+    /// An `fdatasync` that returned.
+    Synced,
+}
+
+impl IoLog {
+    fn records(&mut self, at: u64, len: usize) {
+        #[cfg(test)]
+        self.ops.push(Io::Records(at..at + len as u64));
+        #[cfg(not(test))]
+        let _ = (at, len);
+    }
+
+    fn zeros(&mut self, at: u64, len: usize) {
+        #[cfg(test)]
+        self.ops.push(Io::Zeros(at..at + len as u64));
+        #[cfg(not(test))]
+        let _ = (at, len);
+    }
+
+    fn synced(&mut self) {
+        #[cfg(test)]
+        self.ops.push(Io::Synced);
+    }
 }
 
 /// The current segment and the full ones not yet deleted.
@@ -469,6 +530,7 @@ impl Journal {
         if segments.current.len >= self.limit {
             let next = Segment::create(&self.dir, segments.current.seq + 1)?;
             let full = std::mem::replace(&mut segments.current, next);
+            full.closed();
             segments.retiring.push_back(full);
             // Forget the WALs nothing refers to any more (no open file, no
             // segment, no pending record), so the map does not grow with
@@ -527,6 +589,7 @@ impl Drop for Journal {
         }
         let pending = std::mem::take(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
         let segments = self.segments.get_mut().unwrap_or_else(|e| e.into_inner());
+        segments.current.closed();
         let mut written: Vec<(Arc<Wal>, u64)> = pending
             .entries
             .iter()
@@ -570,9 +633,11 @@ impl Segment {
             nonce,
             passes: 0,
             len: 0,
+            padding: 0,
             allocated: 0,
             written: HashMap::new(),
             encoded: Blocks::default(),
+            log: IoLog::default(),
         })
     }
 
@@ -583,15 +648,21 @@ impl Segment {
             .all(|(wal, last)| wal.settled() >= *last)
     }
 
-    /// Appends the records of `pending` and syncs.
-    ///
-    /// The write starts at the block that `len` ends in: that block's
-    /// bytes so far (kept in `encoded`) are written again, unchanged,
-    /// ahead of the new records, and the last block is padded with zeros.
-    /// Whichever sectors of that rewritten block a power cut leaves, the
-    /// bytes an earlier sync made durable are the same.
+    /// Appends the records of `pending` as one pass and syncs.
     fn append(&mut self, pending: &Pending) -> Result<(), JournalError> {
-        let carried = self.encoded.len();
+        let written = self.write_pass(pending)?;
+        self.file.sync_data().map_err(io(&self.path))?;
+        crate::telemetry::fsynced();
+        self.log.synced();
+        self.synced(written);
+        Ok(())
+    }
+
+    /// Writes the pass of `pending` at `len`, a block boundary, its last
+    /// block padded with zeros; returns its bytes (padding included) and
+    /// the padding's. No byte before `len` is written: every one of them
+    /// belongs to a pass whose sync returned.
+    fn write_pass(&mut self, pending: &Pending) -> Result<(u64, u64), JournalError> {
         let stamp = Stamp {
             nonce: self.nonce,
             pass: self.passes + 1,
@@ -617,8 +688,8 @@ impl Segment {
         // The pass is whole only with its end, written with it: a replay
         // takes no record of a pass whose end did not reach the disk.
         encode(&mut self.encoded, stamp, KIND_END, &[], self.len, &[]);
-        let at = self.len - carried as u64;
-        let records = self.encoded.len() - carried;
+        let at = self.len;
+        let records = self.encoded.len();
         let block = self.encoded.padded();
         let end = at + block.len() as u64;
         if end > self.allocated && records >= ZERO_BELOW {
@@ -637,25 +708,37 @@ impl Segment {
                     .unwrap_or(ZEROS.0.len())
                     .min(ZEROS.0.len());
                 write_blocks(&self.file, &ZEROS.0[..n], self.allocated).map_err(io(&self.path))?;
+                self.log.zeros(self.allocated, n);
                 self.allocated += n as u64;
             }
         }
-        // At the block of its length, not appended: a write that failed
-        // halfway is overwritten by the next.
         write_blocks(&self.file, block, at).map_err(io(&self.path))?;
-        self.file.sync_data().map_err(io(&self.path))?;
-        crate::telemetry::fsynced();
-        self.len += records as u64;
-        self.passes = stamp.pass;
-        self.encoded.keep_last(block_offset(self.len));
-        Ok(())
+        self.log.records(at, block.len());
+        let written = block.len() as u64;
+        self.encoded.clear();
+        Ok((written, written - records as u64))
     }
-}
 
-/// Where `at` falls in its block.
-fn block_offset(at: u64) -> usize {
-    // Less than BLOCK, so it fits.
-    (at % BLOCK as u64) as usize
+    /// The pass [`Segment::write_pass`] wrote, `(bytes, padding)`, is
+    /// durable: the next one starts after it.
+    fn synced(&mut self, (bytes, padding): (u64, u64)) {
+        self.len += bytes;
+        self.padding += padding;
+        self.passes += 1;
+    }
+
+    /// Says what the segment holds, as it stops being appended to (full,
+    /// or its host closing): the space its padding took.
+    fn closed(&self) {
+        tracing::debug!(
+            segment = %self.path.display(),
+            passes = self.passes,
+            bytes = self.len,
+            padding = self.padding,
+            file_bytes = self.allocated,
+            "journal segment closed"
+        );
+    }
 }
 
 /// Asks the kernel to write `file` straight from the caller's memory to
@@ -753,12 +836,9 @@ impl Blocks {
         all.get(..end).unwrap_or_default()
     }
 
-    /// Keeps the last `n` bytes put, moved to the start.
-    fn keep_last(&mut self, n: usize) {
-        let len = self.len;
-        let n = n.min(len);
-        self.all().copy_within(len - n..len, 0);
-        self.len = n;
+    /// Forgets the bytes put (the blocks stay, for the next ones).
+    fn clear(&mut self) {
+        self.len = 0;
     }
 }
 
@@ -779,10 +859,16 @@ impl Sink for Blocks {
     }
 }
 
-/// The file name of segment `seq` with `nonce`: names sort by `seq`.
+/// The file name of segment `seq` with `nonce` in the current format
+/// ([`Format::V3`]): names sort by `seq`.
 fn segment_name(seq: u64, nonce: u64) -> String {
-    format!("segment-{seq:020}-{nonce:016x}.log")
+    format!("segment-{seq:020}-{nonce:016x}{V3_SUFFIX}.log")
 }
+
+/// What names a segment of [`Format::V3`], before `.log`: the format is
+/// told by the name, so a segment whose first block is torn is still read
+/// as what it is.
+const V3_SUFFIX: &str = ".v3";
 
 /// What every record of one pass carries.
 #[derive(Clone, Copy)]
@@ -792,8 +878,22 @@ struct Stamp {
 }
 
 fn encode(out: &mut impl Sink, stamp: Stamp, kind: u8, name: &[u8], offset: u64, data: &[u8]) {
+    encode_with(out, MAGIC, stamp, kind, name, offset, data);
+}
+
+/// [`encode`] with the magic of `magic`'s format (tests write the older
+/// [`Format::V2`] too).
+fn encode_with(
+    out: &mut impl Sink,
+    magic: [u8; 4],
+    stamp: Stamp,
+    kind: u8,
+    name: &[u8],
+    offset: u64,
+    data: &[u8],
+) {
     let mut header = [0u8; HEADER_LEN];
-    header[..4].copy_from_slice(&MAGIC);
+    header[..4].copy_from_slice(&magic);
     header[4..12].copy_from_slice(&stamp.nonce.to_le_bytes());
     header[12..20].copy_from_slice(&stamp.pass.to_le_bytes());
     header[20] = kind;
@@ -813,8 +913,44 @@ fn encode(out: &mut impl Sink, stamp: Stamp, kind: u8, name: &[u8], offset: u64,
 enum Format {
     /// Records without passes (`segment-<generation>.log`, `DJR1`).
     V1,
-    /// Passes closed by end records (`segment-<seq>-<nonce>.log`, `DJR2`).
+    /// Passes closed by end records, one right after another
+    /// (`segment-<seq>-<nonce>.log`, `DJR2`); each flush wrote the last,
+    /// partly filled block again.
     V2,
+    /// As [`Format::V2`], and every pass starts at a block boundary
+    /// (`segment-<seq>-<nonce>.v3.log`, `DJR3`): after a pass's end record,
+    /// the bytes up to the next multiple of [`BLOCK`] are padding (zeros
+    /// as written) and are never decoded.
+    V3,
+}
+
+impl Format {
+    /// The magic of its records and the length of their header.
+    fn layout(self) -> ([u8; 4], usize) {
+        match self {
+            Format::V1 => (MAGIC_V1, HEADER_LEN_V1),
+            Format::V2 => (MAGIC_V2, HEADER_LEN),
+            Format::V3 => (MAGIC, HEADER_LEN),
+        }
+    }
+
+    /// Whether its records belong to passes closed by end records.
+    fn has_passes(self) -> bool {
+        self != Format::V1
+    }
+
+    /// Where the pass after one whose end record ends at `at` starts.
+    fn next_pass(self, at: usize) -> usize {
+        match self {
+            Format::V3 => at.next_multiple_of(BLOCK),
+            Format::V1 | Format::V2 => at,
+        }
+    }
+
+    /// Whether a pass may start at `at`.
+    fn pass_starts_at(self, at: usize) -> bool {
+        self != Format::V3 || at.is_multiple_of(BLOCK)
+    }
 }
 
 /// One record read back.
@@ -830,10 +966,7 @@ struct Record<'a> {
 /// The record of segment `nonce` at the start of `bytes`, with its
 /// length, if it checks.
 fn decode(bytes: &[u8], format: Format, nonce: u64) -> Option<(Record<'_>, usize)> {
-    let (magic, header_len) = match format {
-        Format::V1 => (MAGIC_V1, HEADER_LEN_V1),
-        Format::V2 => (MAGIC, HEADER_LEN),
-    };
+    let (magic, header_len) = format.layout();
     let header = bytes.get(..header_len)?;
     if header[..4] != magic {
         return None;
@@ -843,7 +976,7 @@ fn decode(bytes: &[u8], format: Format, nonce: u64) -> Option<(Record<'_>, usize
     let record_nonce = u64_at(4)?;
     let (pass, rest) = match format {
         Format::V1 => (0, 12),
-        Format::V2 => (u64_at(12)?, 20),
+        Format::V2 | Format::V3 => (u64_at(12)?, 20),
     };
     let kind = *header.get(rest)?;
     let name_len = usize::from(u16::from_le_bytes(field(rest + 1, 2)?.try_into().ok()?));
@@ -855,7 +988,7 @@ fn decode(bytes: &[u8], format: Format, nonce: u64) -> Option<(Record<'_>, usize
     let crc = u32::from_le_bytes(bytes.get(body_end..end)?.try_into().ok()?);
     let kind_fits = match kind {
         KIND_WRITE | KIND_TRUNCATE => true,
-        KIND_END => format == Format::V2 && name_len == 0 && data_len == 0,
+        KIND_END => format.has_passes() && name_len == 0 && data_len == 0,
         _ => false,
     };
     if crc32fast::hash(bytes.get(..body_end)?) != crc || record_nonce != nonce || !kind_fits {
@@ -920,15 +1053,20 @@ fn segments(dir: &Path) -> Result<Vec<SegmentFile>, JournalError> {
         else {
             continue;
         };
+        let (stem, format) = match stem.strip_suffix(V3_SUFFIX) {
+            Some(stem) => (stem, Format::V3),
+            None => (stem, Format::V2),
+        };
         let parsed = match stem.split_once('-') {
             Some((seq, nonce)) => seq
                 .parse::<u64>()
                 .ok()
                 .zip(u64::from_str_radix(nonce, 16).ok())
-                .map(|(seq, nonce)| (seq, nonce, Format::V2)),
+                .map(|(seq, nonce)| (seq, nonce, format)),
             // The first format named a segment by its generation, which
             // its records carry where the nonce is now.
-            None => stem.parse::<u64>().ok().map(|g| (g, g, Format::V1)),
+            None if format == Format::V2 => stem.parse::<u64>().ok().map(|g| (g, g, Format::V1)),
+            None => None,
         };
         if let Some((seq, nonce, format)) = parsed {
             found.push(SegmentFile {
@@ -956,7 +1094,7 @@ fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, 
         .get(at..)
         .and_then(|rest| decode(rest, segment.format, segment.nonce))
     {
-        if segment.format == Format::V2 {
+        if segment.format.has_passes() {
             if record.pass != closed + 1 {
                 break;
             }
@@ -972,7 +1110,10 @@ fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, 
         }
         at += len;
         if open.is_none() {
-            end = at;
+            // The padding after a pass (Format::V3) is never decoded: the
+            // replayable bytes end where the next pass would start.
+            at = segment.format.next_pass(at);
+            end = at.min(bytes.len());
         }
     }
     // Past `end`, only the pass being written when the power went may
@@ -980,10 +1121,7 @@ fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, 
     // before a newer segment or pass was begun. A first-format segment has
     // no passes to tell them apart by, so anything there is refused.
     let torn = closed + 1;
-    let (magic, header_len) = match segment.format {
-        Format::V1 => (MAGIC_V1, HEADER_LEN_V1),
-        Format::V2 => (MAGIC, HEADER_LEN),
-    };
+    let (magic, header_len) = segment.format.layout();
     let mut from = end;
     while let Some(found) = bytes
         .get(from..)
@@ -994,7 +1132,7 @@ fn replayable(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<usize, 
             .get(found..)
             .and_then(|rest| decode(rest, segment.format, segment.nonce))
         {
-            let torn_pass = last && segment.format == Format::V2 && record.pass == torn;
+            let torn_pass = last && segment.format.has_passes() && record.pass == torn;
             if !torn_pass {
                 return Err(JournalError::Lost {
                     path: segment.path.clone(),
@@ -1045,10 +1183,12 @@ fn replay(root: &Path, dir: &Path) -> Result<u64, JournalError> {
             else {
                 break;
             };
-            if record.kind != KIND_END {
+            if record.kind == KIND_END {
+                at = segment.format.next_pass(at + len);
+            } else {
                 replayer.apply(root, path, at, &record)?;
+                at += len;
             }
-            at += len;
         }
     }
     let (records, files) = (replayer.records, replayer.touched.len());
@@ -1599,7 +1739,19 @@ mod tests {
     /// Writes segment `seq` into `dir` as [`Segment::append`] lays passes
     /// out; returns it.
     pub(super) fn write_segment(dir: &Path, seq: u64, passes: &[Vec<Write>]) -> SegmentFile {
+        write_segment_as(Format::V3, dir, seq, passes)
+    }
+
+    /// [`write_segment`] in `format` (V2 or V3): V3 pads every pass to
+    /// the end of its last block, as [`Segment::append`] does.
+    fn write_segment_as(
+        format: Format,
+        dir: &Path,
+        seq: u64,
+        passes: &[Vec<Write>],
+    ) -> SegmentFile {
         let nonce = seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let (magic, _) = format.layout();
         let mut bytes = Vec::new();
         for (n, pass) in passes.iter().enumerate() {
             let stamp = Stamp {
@@ -1608,16 +1760,21 @@ mod tests {
             };
             let start = bytes.len() as u64;
             for (name, offset, data) in pass {
-                encode(&mut bytes, stamp, KIND_WRITE, name, *offset, data);
+                encode_with(&mut bytes, magic, stamp, KIND_WRITE, name, *offset, data);
             }
-            encode(&mut bytes, stamp, KIND_END, &[], start, &[]);
+            encode_with(&mut bytes, magic, stamp, KIND_END, &[], start, &[]);
+            bytes.resize(format.next_pass(bytes.len()), 0);
         }
-        let path = dir.join(segment_name(seq, nonce));
+        let name = match format {
+            Format::V3 => segment_name(seq, nonce),
+            _ => format!("segment-{seq:020}-{nonce:016x}.log"),
+        };
+        let path = dir.join(name);
         std::fs::write(&path, bytes).unwrap();
         SegmentFile {
             seq,
             nonce,
-            format: Format::V2,
+            format,
             path,
         }
     }
@@ -1634,6 +1791,9 @@ mod tests {
             at += len;
             if record.pass == pass && record.kind == KIND_END {
                 return (start.unwrap(), at);
+            }
+            if record.kind == KIND_END {
+                at = segment.format.next_pass(at);
             }
         }
         panic!("no pass {pass}");
@@ -1797,6 +1957,55 @@ mod tests {
         cut.fs.unmount().unwrap();
     }
 
+    /// A pass of one write to `wal` of `len` bytes of `byte` at `offset`.
+    fn one_write(wal: &Arc<Wal>, offset: u64, byte: u8, len: usize) -> Pending {
+        Pending {
+            entries: vec![Entry {
+                wal: Arc::clone(wal),
+                number: offset + 1,
+                kind: KIND_WRITE,
+                offset,
+                start: 0,
+                len,
+            }],
+            bytes: vec![byte; len],
+        }
+    }
+
+    #[test]
+    fn a_cut_that_tears_a_flush_in_flight_keeps_every_synced_pass() {
+        // A flush's write, torn by a power cut before its sync returned,
+        // garbles what it was writing: it must not have been writing a
+        // byte of a synced record, which a caller was told is durable.
+        let cut = crate::power_cut::PowerCut::mount();
+        let dir = &cut.dir;
+        let name = "objects/ab/x.sqlite-wal";
+        let wal = wal(name.as_bytes());
+        for seed in 0..4 {
+            let journal_dir = dir.join(JOURNAL_DIR);
+            std::fs::create_dir_all(&journal_dir).unwrap();
+            let mut segment = Segment::create(&journal_dir, 1 + seed).unwrap();
+            let synced = 100 + 700 * seed as usize;
+            segment.append(&one_write(&wal, 0, 1, synced)).unwrap();
+            segment
+                .write_pass(&one_write(&wal, synced as u64, 2, 300))
+                .unwrap();
+            let report = cut
+                .fs
+                .cut(durability_powercut::Fault::TornOverwrite, seed)
+                .unwrap();
+            assert!(report.bytes_garbled > 0, "seed {seed}: nothing was torn");
+            drop(segment);
+            recover(dir).unwrap();
+            assert_eq!(
+                std::fs::read(dir.join(name)).ok(),
+                Some(vec![1; synced]),
+                "seed {seed}: the synced pass did not come back"
+            );
+            std::fs::remove_dir_all(dir.join("objects")).unwrap();
+        }
+    }
+
     fn wal(name: &[u8]) -> Arc<Wal> {
         Arc::new(Wal {
             name: name.into(),
@@ -1887,16 +2096,24 @@ mod tests {
         let mut at = 0;
         let mut read = Vec::new();
         let mut ends = 0;
-        while let Some((record, len)) = decode(&bytes[at..], Format::V2, segment.nonce) {
+        while let Some((record, len)) = decode(&bytes[at..], Format::V3, segment.nonce) {
+            at += len;
             if record.kind == KIND_END {
                 ends += 1;
                 assert_eq!(record.pass, ends);
+                assert_eq!(record.offset % BLOCK as u64, 0, "a pass starts a block");
+                assert!(
+                    bytes[at..at.next_multiple_of(BLOCK)]
+                        .iter()
+                        .all(|&b| b == 0),
+                    "padding is zeros"
+                );
+                at = at.next_multiple_of(BLOCK);
             } else {
                 assert_eq!(record.offset, read.len() as u64);
                 assert_eq!(record.pass, ends + 1);
                 read.push(record.data.to_vec());
             }
-            at += len;
         }
         assert_eq!(ends, sizes.len() as u64, "one end record a pass");
         assert_eq!(at as u64, segment.len);
@@ -1905,6 +2122,187 @@ mod tests {
             "zeros follow the records"
         );
         assert_eq!(read, written);
+    }
+
+    /// Fails if a write in `log` touches a byte below the end of what
+    /// the syncs before it made durable (the records and padding of every
+    /// pass whose sync returned). Zeros written ahead may be overwritten:
+    /// they hold no record. Returns the passes synced.
+    fn assert_no_synced_byte_rewritten(log: &[Io]) -> usize {
+        let (mut durable, mut last, mut passes) = (0, 0, 0);
+        for op in log {
+            match op {
+                Io::Records(range) | Io::Zeros(range) => {
+                    assert!(
+                        range.start >= durable,
+                        "{op:?} rewrites synced bytes below {durable}"
+                    );
+                    if let Io::Records(range) = op {
+                        last = range.end;
+                    }
+                }
+                Io::Synced => {
+                    durable = durable.max(last);
+                    passes += 1;
+                }
+            }
+        }
+        passes
+    }
+
+    #[test]
+    fn no_write_touches_a_byte_that_a_returned_sync_made_durable() {
+        // Passes of every size the journal sees: lone commits smaller
+        // than a block, ones that end on a block's end, large
+        // transactions, many objects at once, and a checkpoint's sync.
+        let (dir, journal, conn) = journaled(SEGMENT_LIMIT);
+        let others: Vec<_> = (0..3)
+            .map(|n| open_object(&journal, dir.path(), &format!("other-{n}")))
+            .collect();
+        let mut n = 0;
+        for round in 0..40_i64 {
+            for _ in 0..1 + round % 5 {
+                insert(&conn, n..n + 1);
+                n += 1;
+            }
+            if round % 7 == 3 {
+                conn.execute_batch("BEGIN").unwrap();
+                insert(&conn, n..n + 200);
+                n += 200;
+                conn.execute_batch("COMMIT").unwrap();
+            }
+            if round % 3 == 0 {
+                for other in &others {
+                    insert(other, round * 10..round * 10 + 1 + round % 4);
+                }
+            }
+            if round == 20 {
+                conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+                    .unwrap();
+            }
+            journal.sync().unwrap();
+        }
+        let segments = journal.segments.lock().unwrap();
+        let passes = assert_no_synced_byte_rewritten(&segments.current.log.ops);
+        assert!(passes >= 40, "{passes} passes");
+        drop(segments);
+        assert_a_power_cut_keeps(dir.path(), &journal, n as usize);
+    }
+
+    #[test]
+    fn passes_ending_anywhere_in_a_block_never_rewrite_it() {
+        // Every size up to two blocks, in steps that land the end of a
+        // pass at every place in a block.
+        let dir = tempfile::tempdir().unwrap();
+        let sizes: Vec<Vec<usize>> = (0..2 * BLOCK).step_by(331).map(|n| vec![n]).collect();
+        let sizes: Vec<&[usize]> = sizes.iter().map(Vec::as_slice).collect();
+        let (segment, _) = appended(dir.path(), &sizes);
+        let passes = assert_no_synced_byte_rewritten(&segment.log.ops);
+        assert_eq!(passes, sizes.len());
+        assert!(segment.padding > 0 && segment.padding < (sizes.len() * BLOCK) as u64);
+    }
+
+    /// What replaying `segments` (made by `make` in a journal directory)
+    /// leaves in WAL `name`.
+    fn replayed(make: impl FnOnce(&Path), name: &str) -> Vec<u8> {
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        make(&journal_dir);
+        recover(dir.path()).unwrap();
+        assert!(segments(&journal_dir).unwrap().is_empty());
+        std::fs::read(dir.path().join(name)).unwrap()
+    }
+
+    /// Three passes over one WAL, of sizes that leave padding of every
+    /// kind (a few bytes, most of a block, none), and the WAL they make.
+    fn padded_passes(name: &str) -> (Vec<Vec<Write>>, Vec<u8>) {
+        let end_record = HEADER_LEN + CRC_LEN;
+        let record = |len: usize| HEADER_LEN + name.len() + len + CRC_LEN;
+        let exact = BLOCK - end_record - record(0);
+        let lens = [exact - 5, 10, exact];
+        let mut wal = Vec::new();
+        let passes = lens
+            .iter()
+            .enumerate()
+            .map(|(n, &len)| {
+                let bytes = vec![n as u8 + 1; len];
+                let write = (name.as_bytes().to_vec(), wal.len() as u64, bytes.clone());
+                wal.extend_from_slice(&bytes);
+                vec![write]
+            })
+            .collect();
+        (passes, wal)
+    }
+
+    #[test]
+    fn a_replay_skips_the_padding_after_every_pass_whatever_it_holds() {
+        let name = "objects/ab/x.sqlite-wal";
+        let (passes, wal) = padded_passes(name);
+        assert_eq!(
+            replayed(|dir| drop(write_segment(dir, 2, &passes)), name),
+            wal
+        );
+        // Padding is never decoded: bytes that look like anything there
+        // (even a record of the segment) change nothing.
+        let garbled = replayed(
+            |dir| {
+                let segment = write_segment(dir, 2, &passes);
+                let (_, end) = pass_bounds(&segment, 2);
+                let mut bytes = std::fs::read(&segment.path).unwrap();
+                assert!(end % BLOCK != 0, "pass 2 leaves padding");
+                bytes[end..end.next_multiple_of(BLOCK)].fill(0xa5);
+                std::fs::write(&segment.path, bytes).unwrap();
+                assert_eq!(
+                    pass_bounds(&segment, 3).1 % BLOCK,
+                    0,
+                    "pass 3 fills its block"
+                );
+            },
+            name,
+        );
+        assert_eq!(garbled, wal);
+    }
+
+    #[test]
+    fn segments_of_the_second_format_are_still_replayed_and_recovered() {
+        let name = "objects/ab/x.sqlite-wal";
+        let (passes, wal) = padded_passes(name);
+        // An older host's segment alone, then followed by a newer one.
+        assert_eq!(
+            replayed(
+                |dir| drop(write_segment_as(Format::V2, dir, 2, &passes)),
+                name
+            ),
+            wal
+        );
+        let (older, newer) = passes.split_at(2);
+        assert_eq!(
+            replayed(
+                |dir| {
+                    let v2 = write_segment_as(Format::V2, dir, 2, older);
+                    assert!(!v2.path.to_string_lossy().contains(V3_SUFFIX));
+                    let v3 = write_segment(dir, 3, newer);
+                    let found: Vec<_> = segments(dir).unwrap().iter().map(|s| s.format).collect();
+                    assert_eq!(found, [Format::V2, Format::V3]);
+                    drop(v3);
+                },
+                name
+            ),
+            wal
+        );
+        // A torn last pass of an old segment is left out as before, and a
+        // recovery reads it too.
+        let dir = tempfile::tempdir().unwrap();
+        let journal_dir = dir.path().join(JOURNAL_DIR);
+        std::fs::create_dir_all(&journal_dir).unwrap();
+        let segment = write_segment_as(Format::V2, &journal_dir, 2, &passes);
+        let (start, _) = pass_bounds(&segment, 3);
+        zero(&segment.path, start, 20);
+        let report = recover_damaged(dir.path()).unwrap();
+        assert!(report.is_whole(), "{report:?}");
+        let two_passes = &wal[..passes[0][0].2.len() + passes[1][0].2.len()];
+        assert_eq!(std::fs::read(dir.path().join(name)).unwrap(), two_passes);
     }
 
     #[cfg(target_os = "linux")]
@@ -1953,17 +2351,18 @@ mod tests {
             4096,
             b"hello",
         );
-        let (record, len) = decode(&bytes, Format::V2, 3).unwrap();
+        let (record, len) = decode(&bytes, Format::V3, 3).unwrap();
         assert_eq!(
             (record.offset, record.data, record.pass, len),
             (4096, &b"hello"[..], 9, bytes.len())
         );
-        assert!(decode(&bytes, Format::V2, 4).is_none());
+        assert!(decode(&bytes, Format::V3, 4).is_none());
+        assert!(decode(&bytes, Format::V2, 3).is_none());
         assert!(decode(&bytes, Format::V1, 3).is_none());
         let last = bytes.len() - 1;
         bytes[last] ^= 1;
-        assert!(decode(&bytes, Format::V2, 3).is_none());
-        assert!(decode(&bytes[..10], Format::V2, 3).is_none());
+        assert!(decode(&bytes, Format::V3, 3).is_none());
+        assert!(decode(&bytes[..10], Format::V3, 3).is_none());
     }
 
     #[test]

@@ -12,8 +12,9 @@
 //!   follow one another without a gap up to that end record. No record
 //!   of it can be missing: each one's length says where the next starts.
 //!   Passes found this way after a damaged stretch must be numbered above
-//!   every pass before them. A record of a pass that is not whole is never
-//!   applied.
+//!   every pass before them, and in [`super::Format::V3`] start at a block
+//!   boundary, as every pass of it does; the padding after a pass is
+//!   never read. A record of a pass that is not whole is never applied.
 //! - A record of a whole pass is applied unless a damaged stretch lies
 //!   before it in the journal and its WAL has not started over since. A
 //!   stretch the disk lost may have held records of any WAL; writing a
@@ -45,8 +46,8 @@ use serde::Serialize;
 
 use super::JournalError;
 use super::{
-    Format, JOURNAL_DIR, KIND_END, KIND_WRITE, MAGIC, MAGIC_V1, Replayer, SegmentFile, decode, io,
-    replayable, segments, sync_dir, valid_name,
+    JOURNAL_DIR, KIND_END, KIND_WRITE, Replayer, SegmentFile, decode, io, replayable, segments,
+    sync_dir, valid_name,
 };
 
 /// Where a recovery keeps the segments while it writes (under the
@@ -198,10 +199,7 @@ fn decodable<'a>(
     bytes: &'a [u8],
     range: Range<usize>,
 ) -> impl Iterator<Item = (usize, super::Record<'a>, usize)> + 'a {
-    let magic = match segment.format {
-        Format::V1 => MAGIC_V1,
-        Format::V2 => MAGIC,
-    };
+    let (magic, _) = segment.format.layout();
     let mut from = range.start;
     std::iter::from_fn(move || {
         while from < range.end {
@@ -268,7 +266,7 @@ fn analyze(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<Analysis, 
         .get(at..)
         .and_then(|rest| decode(rest, segment.format, segment.nonce))
     {
-        if segment.format == Format::V2 {
+        if segment.format.has_passes() {
             if record.pass != closed + 1 {
                 break;
             }
@@ -278,7 +276,8 @@ fn analyze(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<Analysis, 
                     whole_passes += 1;
                     closed = record.pass;
                     open = None;
-                    floor = at + len;
+                    // The padding up to the next pass holds nothing.
+                    floor = segment.format.next_pass(at + len);
                 }
                 (KIND_END, _) => break,
                 (_, None) => open = Some(at),
@@ -289,6 +288,9 @@ fn analyze(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<Analysis, 
             floor = at + len;
         }
         at += len;
+        if open.is_none() {
+            at = at.max(floor);
+        }
     }
     let end = data_end(bytes);
     match replayable(segment, bytes, last) {
@@ -303,15 +305,18 @@ fn analyze(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<Analysis, 
     }
     // Beyond the damage: every end record that closes a whole pass
     // numbered above the last one found.
-    if segment.format == Format::V2 {
+    if segment.format.has_passes() {
         let mut from = floor;
         while from < end {
             let next = decodable(segment, bytes, from..end).find_map(|(at, record, len)| {
                 let start = usize::try_from(record.offset).ok()?;
-                (record.kind == KIND_END && record.pass > closed && (floor..=at).contains(&start))
-                    .then(|| whole_pass(segment, bytes, start, at, record.pass))
-                    .flatten()
-                    .map(|pass_end| (start, pass_end, record.pass, at + len))
+                (record.kind == KIND_END
+                    && record.pass > closed
+                    && (floor..=at).contains(&start)
+                    && segment.format.pass_starts_at(start))
+                .then(|| whole_pass(segment, bytes, start, at, record.pass))
+                .flatten()
+                .map(|pass_end| (start, pass_end, record.pass, at + len))
             });
             let Some((start, pass_end, pass, _)) = next else {
                 break;
@@ -322,14 +327,14 @@ fn analyze(segment: &SegmentFile, bytes: &[u8], last: bool) -> Result<Analysis, 
             spans.push(Span::Whole(start..pass_end));
             whole_passes += 1;
             closed = pass;
-            floor = pass_end;
-            from = pass_end;
+            floor = segment.format.next_pass(pass_end);
+            from = floor;
         }
     }
     // What follows the last whole pass: in the newest segment, records of
     // only the next pass are a torn pass no reply waited for.
     let torn = last
-        && segment.format == Format::V2
+        && segment.format.has_passes()
         && decodable(segment, bytes, floor..end).all(|(_, record, _)| record.pass == closed + 1);
     if end > floor && !torn {
         spans.push(Span::Lost(floor..end));
@@ -863,14 +868,16 @@ mod tests {
         );
         let (lost_start, _) = pass_bounds(&segment, 2);
         let (third, _) = pass_bounds(&segment, 3);
+        let (_, last_end) = pass_bounds(&segment, 5);
         // Pass 2's second record: its header, name and data.
         let bytes = std::fs::read(&segment.path).unwrap();
-        let (_, first) = decode(&bytes[lost_start..], Format::V2, segment.nonce).unwrap();
-        let (_, second) = decode(&bytes[lost_start + first..], Format::V2, segment.nonce).unwrap();
+        let (_, first) = decode(&bytes[lost_start..], segment.format, segment.nonce).unwrap();
+        let (_, second) =
+            decode(&bytes[lost_start + first..], segment.format, segment.nonce).unwrap();
         zero(&segment.path, lost_start + first, second);
-        // Pass 5's end record: the last bytes of the segment.
+        // Pass 5's end record: the last record of the segment.
         let end_len = super::super::HEADER_LEN + super::super::CRC_LEN;
-        zero(&segment.path, bytes.len() - end_len, end_len);
+        zero(&segment.path, last_end - end_len, end_len);
         (segment, lost_start, third)
     }
 
