@@ -280,3 +280,35 @@ fn backup_refuses_a_directory_that_is_not_a_data_directory() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("not a durability data directory"));
     assert!(!root.path().join("b").exists());
 }
+
+#[test]
+fn bench_backup_quick_reports_objects_and_megabytes_per_second_against_its_floor() {
+    let root = tempfile::tempdir().unwrap();
+    let json = root.path().join("backup.json");
+    let output = run(durability()
+        .args(["bench", "backup", "--quick", "--json"])
+        .arg(&json)
+        .arg("--data-dir")
+        .arg(root.path().join("bench")));
+    assert!(output.status.success(), "{}", show(&output));
+    let result: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(result["scenario"], "backup");
+    let measurements = result["measurements"].as_array().unwrap();
+    let names: Vec<&str> = measurements
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["raw/backup-api", "backup/idle-host", "backup/while-writing"]
+    );
+    for measurement in measurements {
+        assert_eq!(measurement["ops"], 300, "{measurement}");
+        assert!(measurement["mb_per_sec"].is_number(), "{measurement}");
+    }
+    for measurement in &measurements[1..] {
+        assert_eq!(measurement["floor"], "raw/backup-api", "{measurement}");
+        assert!(measurement["floor_ratio"].is_number(), "{measurement}");
+    }
+    assert!(result["figures"]["writer_calls_per_sec"].is_number());
+}

@@ -9,6 +9,7 @@
 //! rather than a number that only means something on this machine.
 
 mod alarms;
+mod backup;
 mod fanout;
 mod fanout_backlog;
 mod host_calls;
@@ -126,6 +127,11 @@ pub enum BenchError {
         #[from]
         source: durability_platform::StorageError,
     },
+    #[error("a backup failed")]
+    Backup {
+        #[from]
+        source: durability_host::backup::BackupError,
+    },
     #[error("a benchmark caller task failed: {message}")]
     Task { message: String },
     #[error("only {fired} of {armed} alarms fired before the run gave up waiting")]
@@ -173,6 +179,11 @@ const SCENARIOS: &[Scenario] = &[
         name: index_rebuild::NAME,
         about: "the object host: start-up time when the alarm index is rebuilt from 10,000 object files",
         run: index_rebuild::run,
+    },
+    Scenario {
+        name: backup::NAME,
+        about: "backup: objects/s and MB/s of Host::backup of 10,000 objects while the host serves them, against SQLite's backup API in a bare loop",
+        run: backup::run,
     },
     Scenario {
         name: operations::NAME,
