@@ -84,7 +84,7 @@ pub struct TortureArgs {
     /// With --power-cut, the faults the cuts draw from (comma-separated):
     /// each death draws one, from the seed.
     #[arg(long, value_name = "LIST", value_delimiter = ',', requires = "power_cut",
-          default_values = ["drop", "reorder", "metadata", "eio", "enospc"])]
+          default_values = ["drop", "reorder", "metadata", "eio", "enospc", "torn-overwrite"])]
     faults: Vec<FaultKind>,
     /// Print the verdict as one JSON object (`power_cut`, `mode`, `kills`,
     /// `cuts`, `faults`, `accepted`, `completed`, `lost`, `lost_allowed`,

@@ -48,16 +48,20 @@ pub enum FaultKind {
     Eio,
     /// The disk fills during the life (ENOSPC); then as drop.
     Enospc,
+    /// As drop, and unsynced writes over synced bytes were torn: those
+    /// bytes read back as garbage, even where rewritten unchanged.
+    TornOverwrite,
 }
 
 impl FaultKind {
     /// Every fault, the default of `--faults`.
-    pub const ALL: [FaultKind; 5] = [
+    pub const ALL: [FaultKind; 6] = [
         FaultKind::Drop,
         FaultKind::Reorder,
         FaultKind::Metadata,
         FaultKind::Eio,
         FaultKind::Enospc,
+        FaultKind::TornOverwrite,
     ];
 
     /// Its name on the command line and in the verdict.
@@ -68,6 +72,7 @@ impl FaultKind {
             FaultKind::Metadata => "metadata",
             FaultKind::Eio => "eio",
             FaultKind::Enospc => "enospc",
+            FaultKind::TornOverwrite => "torn-overwrite",
         }
     }
 
@@ -76,6 +81,7 @@ impl FaultKind {
         match self {
             FaultKind::Reorder => Fault::Reorder,
             FaultKind::Metadata => Fault::Metadata,
+            FaultKind::TornOverwrite => Fault::TornOverwrite,
             FaultKind::Drop | FaultKind::Eio | FaultKind::Enospc => Fault::Drop,
         }
     }
@@ -111,6 +117,9 @@ pub struct CutsDone {
     pub blocks_dropped: u64,
     pub blocks_kept: u64,
     pub blocks_torn: u64,
+    /// Synced bytes that torn overwrites garbled.
+    #[serde(default)]
+    pub bytes_garbled: u64,
     /// Namespace changes undone.
     pub undone: u64,
 }
@@ -192,7 +201,10 @@ impl PowerCuts {
             FaultKind::Enospc => self
                 .fs
                 .fill_at_write(rng.random_range(1..=ENOSPC_NTH_WRITE_MAX)),
-            FaultKind::Drop | FaultKind::Reorder | FaultKind::Metadata => {}
+            FaultKind::Drop
+            | FaultKind::Reorder
+            | FaultKind::Metadata
+            | FaultKind::TornOverwrite => {}
         }
         Armed { kind }
     }
@@ -220,6 +232,7 @@ impl PowerCuts {
             blocks_dropped = report.blocks_dropped,
             blocks_kept = report.blocks_kept,
             blocks_torn = report.blocks_torn,
+            bytes_garbled = report.bytes_garbled,
             undone = report.undone,
             "power cut"
         );
@@ -232,6 +245,7 @@ impl PowerCuts {
         done.blocks_dropped += report.blocks_dropped;
         done.blocks_kept += report.blocks_kept;
         done.blocks_torn += report.blocks_torn;
+        done.bytes_garbled += report.bytes_garbled;
         done.undone += u64::try_from(report.undone).unwrap_or(u64::MAX);
         Ok(())
     }

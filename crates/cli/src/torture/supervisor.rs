@@ -116,6 +116,7 @@ impl Supervised {
             tally.detail("cut_blocks_dropped", cuts.blocks_dropped);
             tally.detail("cut_blocks_kept", cuts.blocks_kept);
             tally.detail("cut_blocks_torn", cuts.blocks_torn);
+            tally.detail("cut_bytes_garbled", cuts.bytes_garbled);
             tally.detail("cut_namespace_changes_undone", cuts.undone);
             tally.detail(
                 "lives_ended_by_fault",
