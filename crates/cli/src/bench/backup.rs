@@ -9,7 +9,9 @@
 //! - `backup/while-writing`: 16 callers keep writing one row per call to
 //!   the objects during the whole backup (their calls/s is reported).
 //!
-//! Each backup is checked with `verify` afterwards (not timed). The floor,
+//! Each backup is checked with `verify` afterwards (not timed), and the
+//! idle one is then restored into a new directory (`restore/all`, timed:
+//! verification, writes, syncs and the alarm index; no floor). The floor,
 //! `raw/backup-api`, opens every object file read-only and copies it with
 //! `rusqlite::backup` into a fresh file on one thread: no checksum, no
 //! sync, no manifest, no temporary name. The backup itself hashes each
@@ -76,6 +78,8 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
     let floor_elapsed = raw_backup(&dir, &out.join("raw"))?;
     write_back()?;
     let (idle, writing, calls) = runtime.block_on(backups(&dir, &out, objects))?;
+    write_back()?;
+    let restore = timed_restore(&out.join("idle"), &out.join("restored"), objects)?;
 
     let floor = Measurement::new(
         "raw/backup-api",
@@ -150,7 +154,38 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         value: calls,
         unit: "calls/s",
     });
+    report.measurements.push(
+        Measurement::new(
+            "restore/all",
+            "restore of the idle backup into a new data directory (verify, write, sync, alarm index)",
+            count(objects),
+            restore,
+            &Latency::new()?,
+        )
+        .with("mb_per_sec", megabytes_per_sec(floor_bytes, restore)),
+    );
+    report.figures.push(Figure {
+        key: "restore_s",
+        label: format!("restore of {objects} objects"),
+        value: restore.as_secs_f64(),
+        unit: "s",
+    });
     Ok(report)
+}
+
+/// Times a restore of `backup` into the new directory `into`, and checks
+/// it wrote every object.
+fn timed_restore(backup: &Path, into: &Path, objects: usize) -> Result<Duration, BenchError> {
+    let started = Instant::now();
+    let report =
+        durability_host::backup::restore(backup, into, &durability_host::backup::Restore::all())?;
+    let elapsed = started.elapsed();
+    if report.objects != count(objects) {
+        return Err(BenchError::Task {
+            message: format!("the restore wrote {} of {objects} objects", report.objects),
+        });
+    }
+    Ok(elapsed)
 }
 
 fn megabytes_per_sec(bytes: u64, elapsed: Duration) -> f64 {
