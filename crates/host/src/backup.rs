@@ -452,7 +452,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> BackupError + '_ {
 /// of another process does (from the process of a serving host, use
 /// [`Host::backup`]). When no host holds it, the host journal an unclean
 /// stop left is replayed first, under the directory's lock, as a host's
-/// start would do.
+/// start would do (a host starting in that moment is refused with
+/// [`HostError::DataDirInUse`], as beside any other holder).
 ///
 /// Fails with [`BackupError::DestinationExists`] when `dest` exists (an
 /// empty directory is allowed), and with [`BackupError::Copy`] naming the
@@ -483,6 +484,14 @@ impl Host {
     /// [`crate::backup`]), and records it as the directory's last backup.
     /// The copying runs on threads of its own; dropping the future does
     /// not stop it (the backup is then finished or removed unseen).
+    ///
+    /// In the host's own process, each copied object the host has open
+    /// keeps one more file descriptor until the host closes the object:
+    /// SQLite defers closing the copy's descriptor while the host's
+    /// connection holds the file's lock. Leave room for one descriptor per
+    /// live object ([`crate::HostBuilder::max_live_objects`]), or back up
+    /// from another process ([`backup_dir`], `durability backup`), which
+    /// costs the host nothing.
     pub async fn backup(&self, dest: impl Into<PathBuf>) -> Result<BackupReport, BackupError> {
         let data_dir = self.data_dir().to_path_buf();
         let dest = dest.into();
