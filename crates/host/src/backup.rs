@@ -507,7 +507,7 @@ impl Host {
 }
 
 /// The copy itself, for a directory whose journal needs no replay.
-fn backup_files(data_dir: &Path, dest: &Path) -> Result<BackupReport, BackupError> {
+pub(crate) fn backup_files(data_dir: &Path, dest: &Path) -> Result<BackupReport, BackupError> {
     let started = Instant::now();
     let started_ms = now_ms();
     refuse_inside(data_dir, dest)?;
@@ -935,9 +935,20 @@ pub fn restore(
     data_dir: impl AsRef<Path>,
     which: &Restore,
 ) -> Result<RestoreReport, BackupError> {
+    restore_then(backup.as_ref(), data_dir.as_ref(), which, |_| Ok(()))
+}
+
+/// [`restore`], with `then` run on the restored objects (in the temporary
+/// directory) before the alarm index is built and the directory renamed:
+/// a restore at a moment replays the archive's journal there
+/// ([`crate::archive::restore_at`]); if it fails, nothing is left.
+pub(crate) fn restore_then(
+    backup: &Path,
+    data_dir: &Path,
+    which: &Restore,
+    then: impl FnOnce(&Path) -> Result<(), BackupError>,
+) -> Result<RestoreReport, BackupError> {
     let started = Instant::now();
-    let backup = backup.as_ref();
-    let data_dir = data_dir.as_ref();
     if let Some(id) = which.only.iter().flatten().find(|id| !is_object_id(id)) {
         return Err(BackupError::InvalidObjectId { id: id.clone() });
     }
@@ -980,6 +991,7 @@ pub fn restore(
         ));
     }
     sync_files(&written)?;
+    then(temporary.path())?;
     // The index a host would rebuild at its first start, built now so the
     // restored directory is complete as it appears.
     let built = crate::index::AlarmIndex::build_new(temporary.path())?;

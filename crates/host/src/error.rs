@@ -34,6 +34,15 @@ pub enum HostError {
         /// The rule its value breaks.
         rule: &'static str,
     },
+    /// [`crate::HostBuilder::archive`] was set in a mode without the host
+    /// journal, which is what the archive ships: no change would reach it.
+    #[error(
+        "invalid host setting archive: it needs the host journal (Synchronous::Batched with FlushMethod::Journal, the defaults), not {mode}, which keeps no record of changes to ship"
+    )]
+    ArchiveNeedsJournal {
+        /// The mode that was set.
+        mode: &'static str,
+    },
     /// [`crate::HostBuilder::build`] was called outside a tokio runtime, or
     /// with `threads(0)` outside a `tokio::task::LocalSet`.
     #[error("the host must be built {required}")]

@@ -14,6 +14,7 @@ use std::time::Duration;
 use durability_platform::{EpochMs, MAX_SAFE_INTEGER, ObjectId, StorageLimits};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::archive::{ArchiveConfig, Archiver};
 use crate::clock::Clock;
 use crate::context::ObjectContext;
 use crate::executor::{self, Constructor, ErasedObject, Job, Reply};
@@ -100,6 +101,8 @@ pub(crate) struct HostCore {
     pub(crate) group: Option<Arc<GroupCommit>>,
     /// Runs the group commit's passes; stops them when the core drops.
     _flusher: Option<Flusher>,
+    /// Ships the journal's passes to the archive, if one is set.
+    archiver: Option<Archiver>,
     namespaces: RwLock<HashMap<String, Constructor>>,
     /// The exclusive lock on [`DATA_DIR_LOCK_FILE`], held from build until
     /// shutdown ends (or the process dies: the OS releases it then).
@@ -182,6 +185,7 @@ pub struct HostBuilder {
     sync_images: Option<PathBuf>,
     boot_id_file: PathBuf,
     storage_limits: StorageLimits,
+    archive: Option<ArchiveConfig>,
 }
 
 impl Host {
@@ -200,6 +204,7 @@ impl Host {
             sync_images: None,
             boot_id_file: PathBuf::from(crate::index::BOOT_ID_FILE),
             storage_limits: StorageLimits::SQLITE,
+            archive: None,
         }
     }
 }
@@ -283,6 +288,18 @@ impl HostBuilder {
     /// tests here fits Cloudflare. Default: [`StorageLimits::SQLITE`].
     pub fn storage_limits(mut self, limits: StorageLimits) -> Self {
         self.storage_limits = limits;
+        self
+    }
+
+    /// Ships every durable change to a continuous archive (a base, then
+    /// every synced pass of the host journal; see [`crate::archive`]), so
+    /// that [`crate::archive::restore_at`] can rebuild any moment within
+    /// its retention. Needs the journal: `Synchronous::Batched` with
+    /// `FlushMethod::Journal` (the defaults); any other mode is refused at
+    /// build with [`HostError::ArchiveNeedsJournal`], since it keeps no
+    /// record of changes to ship. Default: no archive.
+    pub fn archive(mut self, config: ArchiveConfig) -> Self {
+        self.archive = Some(config);
         self
     }
 
@@ -404,6 +421,21 @@ impl HostBuilder {
             }
             None => None,
         };
+        if let Some(config) = &self.archive {
+            let mode = match (self.synchronous, self.flush_method) {
+                (Synchronous::Batched, FlushMethod::Journal) => None,
+                (Synchronous::Batched, FlushMethod::WalFiles) => Some("FlushMethod::WalFiles"),
+                (Synchronous::Batched, FlushMethod::Syncfs) => Some("FlushMethod::Syncfs"),
+                (Synchronous::Full, _) => Some("Synchronous::Full"),
+                (Synchronous::Normal, _) => Some("Synchronous::Normal"),
+            };
+            if let Some(mode) = mode {
+                return Err(HostError::ArchiveNeedsJournal { mode });
+            }
+            if let Some((setting, rule)) = config.invalid() {
+                return Err(HostError::InvalidSetting { setting, rule });
+            }
+        }
         check_path_length(&self.data_dir)?;
         let lock = lock_data_dir(&self.data_dir)?;
         // Before anything reads an object file (the index rebuild does):
@@ -414,6 +446,19 @@ impl HostBuilder {
             .then(|| Flush::open(self.flush_method, &self.data_dir))
             .transpose()
             .map_err(|e| journal_error(&self.data_dir, &e))?;
+        // Before any object is opened: the archive sees every pass.
+        let archiver = match (&self.archive, &flush) {
+            (Some(config), Some(Flush::Journal(journal))) => {
+                let archiver =
+                    Archiver::start(config.clone(), &self.data_dir).map_err(|e| HostError::Io {
+                        path: config.root().to_path_buf(),
+                        message: format!("cannot start the archive thread: {e}"),
+                    })?;
+                journal.ship_to(archiver.shipping());
+                Some(archiver)
+            }
+            _ => None,
+        };
         let (index, rebuild) = AlarmIndex::open(
             &self.data_dir,
             &self.boot_id_file,
@@ -452,6 +497,7 @@ impl HostBuilder {
             shutting_down: AtomicBool::new(false),
             group,
             _flusher: flusher,
+            archiver,
             namespaces: RwLock::new(HashMap::new()),
             lock: Mutex::new(Some(lock)),
         });
@@ -683,6 +729,13 @@ impl Host {
             );
         }
         self.close_executors().await;
+        // After the last flush: what is synced goes to the archive before
+        // the journal lets its segments go.
+        // It blocks this thread for one ship cycle at most (no object runs
+        // any more), or the grace if the store hangs.
+        if let Some(archiver) = &shared.core.archiver {
+            archiver.finish(shared.shutdown_grace);
+        }
         // Every executor closed its objects: another host may take over.
         if let Ok(mut lock) = shared.core.lock.lock() {
             lock.take();
@@ -721,6 +774,14 @@ impl Host {
         {
             tracing::warn!(%error, "could not record the clean stop in the alarm index");
         }
+    }
+
+    /// How far the archive is behind ([`HostBuilder::archive`]): how long
+    /// the oldest synced journal pass not yet shipped has waited, zero
+    /// when it is caught up; `None` without an archive. Also the gauge
+    /// [`crate::telemetry::ARCHIVE_LAG`].
+    pub fn archive_lag(&self) -> Option<Duration> {
+        self.shared.core.archiver.as_ref().map(Archiver::lag)
     }
 
     /// The host clock: milliseconds since the Unix epoch, moving with

@@ -320,6 +320,9 @@ pub(crate) struct Journal {
     /// and every later sync fails, so no checkpoint copies a WAL the
     /// journal no longer holds whole.
     failed: AtomicBool,
+    /// The archive, if the host ships to one: told of every synced pass,
+    /// asked before a segment is deleted (see [`crate::archive`]).
+    shipping: OnceLock<Arc<crate::archive::Shipping>>,
 }
 
 impl std::fmt::Debug for Journal {
@@ -358,6 +361,7 @@ impl Journal {
             wals: Mutex::new(HashMap::new()),
             registration: OnceLock::new(),
             failed: AtomicBool::new(false),
+            shipping: OnceLock::new(),
         });
         let name = format!(
             "durability-journal-{}",
@@ -367,6 +371,17 @@ impl Journal {
             .map_err(JournalError::Vfs)?;
         let _ = journal.registration.set(registration);
         Ok(journal)
+    }
+
+    /// Reports every synced pass to `shipping` from now on, and keeps every
+    /// segment it has not shipped (called before any object is opened).
+    pub(crate) fn ship_to(&self, shipping: Arc<crate::archive::Shipping>) {
+        let _ = self.shipping.set(shipping);
+    }
+
+    /// Whether segment `seq` may be deleted: no archive waits for it.
+    fn shipped(&self, seq: u64) -> bool {
+        self.shipping.get().is_none_or(|s| s.may_delete(seq))
     }
 
     /// The SQLite VFS that object connections open their files with.
@@ -506,6 +521,9 @@ impl Journal {
             self.fail();
             return Err(error);
         }
+        if let Some(shipping) = self.shipping.get() {
+            shipping.synced(current.seq, current.nonce, &current.path, current.len);
+        }
         if let Err(error) = self.rotate(&mut segments) {
             // Nothing is lost: a segment not deleted is replayed.
             tracing::warn!(%error, "the journal could not rotate its segment; trying again at the next sync");
@@ -542,6 +560,11 @@ impl Journal {
         }
         let mut deleted = false;
         while let Some(oldest) = segments.retiring.front() {
+            // An archive that is behind keeps the segment (and every
+            // later one): its passes are shipped from the file.
+            if !self.shipped(oldest.seq) {
+                break;
+            }
             if !oldest.settled() {
                 if segments.retiring.len() <= RETIRING {
                     break;
@@ -588,6 +611,8 @@ impl Drop for Journal {
             return;
         }
         let pending = std::mem::take(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let shipping = self.shipping.get().cloned();
+        let shipped = |seq| shipping.as_ref().is_none_or(|s| s.may_delete(seq));
         let segments = self.segments.get_mut().unwrap_or_else(|e| e.into_inner());
         segments.current.closed();
         let mut written: Vec<(Arc<Wal>, u64)> = pending
@@ -601,6 +626,15 @@ impl Drop for Journal {
             paths.push(segment.path.clone());
             written.extend(segment.written.values().cloned());
         }
+        // Segments an archive has not shipped stay for the next start,
+        // which replays them (harmless: their WALs are settled).
+        let mut kept = vec![shipped(segments.current.seq)];
+        kept.extend(segments.retiring.iter().map(|s| shipped(s.seq)));
+        paths = paths
+            .into_iter()
+            .zip(kept)
+            .filter_map(|(path, shipped)| shipped.then_some(path))
+            .collect();
         let cleared = self.settle(written.iter()).and_then(|()| {
             for path in &paths {
                 std::fs::remove_file(path).map_err(io(path))?;
@@ -1006,6 +1040,61 @@ fn decode(bytes: &[u8], format: Format, nonce: u64) -> Option<(Record<'_>, usize
         },
         end,
     ))
+}
+
+/// One record of an archived pass, as [`archived_passes`] reads it.
+pub(crate) enum ArchivedRecord<'a> {
+    /// A write (`truncate` false: `data` is its range in the bytes given)
+    /// or a truncation to `offset` of the WAL `name`.
+    Change {
+        truncate: bool,
+        name: &'a [u8],
+        offset: u64,
+        data: std::ops::Range<usize>,
+    },
+    /// The pass ends; the next starts at `end` (padding skipped).
+    PassEnd { end: usize },
+}
+
+/// Reads whole passes of a [`Format::V3`] segment's synced bytes, as an
+/// archive copied them (see [`crate::archive`]), calling `each` for every
+/// record and pass end until it returns false. Fails with the byte where
+/// no whole pass lies.
+pub(crate) fn archived_passes<'a>(
+    bytes: &'a [u8],
+    nonce: u64,
+    mut each: impl FnMut(ArchivedRecord<'a>) -> bool,
+) -> Result<(), usize> {
+    let mut at = 0;
+    let mut pass_start = 0;
+    while at < bytes.len() {
+        let (record, len) = bytes
+            .get(at..)
+            .and_then(|rest| decode(rest, Format::V3, nonce))
+            .ok_or(pass_start)?;
+        let event = if record.kind == KIND_END {
+            let end = Format::V3.next_pass(at + len);
+            pass_start = end;
+            at = end;
+            ArchivedRecord::PassEnd { end }
+        } else {
+            let data_start = at + len - CRC_LEN - record.data.len();
+            at += len;
+            ArchivedRecord::Change {
+                truncate: record.kind == KIND_TRUNCATE,
+                name: record.name,
+                offset: record.offset,
+                data: data_start..data_start + record.data.len(),
+            }
+        };
+        if !each(event) {
+            return Ok(());
+        }
+    }
+    if pass_start != bytes.len() {
+        return Err(pass_start);
+    }
+    Ok(())
 }
 
 /// A name the journal may write to: a relative path of plain components

@@ -34,6 +34,7 @@
 
 #![warn(missing_docs)]
 
+pub mod archive;
 pub mod backup;
 mod clock;
 mod context;

@@ -622,6 +622,13 @@ fn create_from_template(path: &Path, dir: &Path) {
     let _ = std::fs::remove_file(&scratch);
 }
 
+/// The bytes new object files of this process start from ([`TEMPLATE`]),
+/// made in `dir` if no object was created yet: an archive keeps them, as
+/// these bytes reach an object file without passing through its WAL.
+pub(crate) fn new_object_bytes(dir: &Path) -> Option<Vec<u8>> {
+    TEMPLATE.get_or_init(|| make_template(dir)).clone()
+}
+
 /// Makes the template with SQLite in a scratch file of `dir`.
 fn make_template(dir: &Path) -> Option<Vec<u8>> {
     let mut suffix = [0u8; 8];

@@ -34,6 +34,11 @@ pub const ALARM_LATENESS: &str = "durability_host_alarm_lateness_seconds";
 /// Histogram, seconds: a stub call from send to reply, by `namespace`.
 pub const CALL_DURATION: &str = "durability_host_call_duration_seconds";
 
+/// Gauge, seconds: how long the oldest journal pass not yet shipped to the
+/// archive has waited (0 when the archive is caught up; see
+/// [`crate::archive`]).
+pub const ARCHIVE_LAG: &str = "durability_host_archive_lag_seconds";
+
 /// Every metric name of the host, for docs and tests.
 pub const ALL: &[&str] = &[
     LIVE_OBJECTS,
@@ -44,6 +49,7 @@ pub const ALL: &[&str] = &[
     ALARM_FIRES,
     ALARM_LATENESS,
     CALL_DURATION,
+    ARCHIVE_LAG,
 ];
 
 pub(crate) fn live_objects(count: usize) {
@@ -79,4 +85,8 @@ pub(crate) fn alarm_fired(namespace: &str, lateness_ms: Option<i64>) {
 
 pub(crate) fn call_finished(namespace: &str, elapsed: Duration) {
     histogram!(CALL_DURATION, "namespace" => namespace.to_owned()).record(elapsed.as_secs_f64());
+}
+
+pub(crate) fn archive_lag(lag_ms: i64) {
+    gauge!(ARCHIVE_LAG).set(lag_ms.max(0) as f64 / 1_000.0);
 }
