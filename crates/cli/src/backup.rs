@@ -1,5 +1,5 @@
 //! `durability backup DATA_DIR DEST`, `durability verify BACKUP` and
-//! `durability restore BACKUP DATA_DIR [--object ID]...`: the commands of
+//! `durability restore BACKUP_OR_ARCHIVE DATA_DIR [--at TIME] [--object ID]...`: the commands of
 //! `durability_host::backup`, which does the work (a consistent copy of
 //! every object with SQLite's online backup API while a host may serve the
 //! directory, a manifest with a SHA-256 per copy, complete-or-absent
@@ -13,6 +13,7 @@
 
 use std::path::PathBuf;
 
+use durability_host::archive::{self, ArchiveError};
 use durability_host::backup::{self, BackupError, Restore};
 use serde_json::json;
 
@@ -46,9 +47,10 @@ pub struct VerifyArgs {
 /// Arguments of `durability restore`.
 #[derive(Debug, clap::Args)]
 pub struct RestoreArgs {
-    /// The backup to restore from; it is verified before anything is
-    /// written.
-    #[arg(value_name = "BACKUP")]
+    /// The backup to restore from (verified before anything is written),
+    /// or an archive (a directory holding `archive.json`, as
+    /// `demo --archive file:///DIR` writes) to restore at a moment.
+    #[arg(value_name = "BACKUP_OR_ARCHIVE")]
     backup: PathBuf,
     /// The data directory to write: it must not exist or be empty, and no
     /// host may hold it.
@@ -58,7 +60,15 @@ pub struct RestoreArgs {
     /// --wide` and the manifest show it); repeat for several.
     #[arg(long = "object", value_name = "ID")]
     objects: Vec<String>,
-    /// Print one JSON object: `objects`, `bytes`, `alarms`, `seconds`.
+    /// With an archive: restore every object as it stood at TIME (RFC
+    /// 3339, `2026-12-04T23:10:00.250Z`, or epoch milliseconds): every
+    /// change whose journal sync returned at or before it, none after.
+    /// Without it, an archive is restored at the last moment it holds.
+    #[arg(long, value_name = "TIME")]
+    at: Option<String>,
+    /// Print one JSON object: `objects`, `bytes`, `alarms`, `seconds`
+    /// (from an archive: `objects`, `at_ms`, `passes`, `transactions`,
+    /// `chunks`, `seconds`).
     #[arg(long)]
     json: bool,
 }
@@ -83,6 +93,26 @@ pub enum BackupCommandError {
         backup: PathBuf,
         #[source]
         source: Box<BackupError>,
+    },
+    #[error("invalid --at {value:?}")]
+    BadAt {
+        value: String,
+        #[source]
+        source: ArchiveError,
+    },
+    #[error(
+        "--at needs an archive (a directory with archive.json); {} is a backup, restorable only as it was taken",
+        backup.display()
+    )]
+    AtNeedsArchive { backup: PathBuf },
+    #[error("--object is not supported with an archive ({}): restore it whole", archive.display())]
+    ObjectWithArchive { archive: PathBuf },
+    #[error("cannot restore the archive {} into {}", archive.display(), dir.display())]
+    Archive {
+        archive: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: Box<ArchiveError>,
     },
     #[error("cannot restore {} into {}", backup.display(), dir.display())]
     Restore {
@@ -152,6 +182,14 @@ pub fn run_verify(args: &VerifyArgs) -> Result<String, BackupCommandError> {
 
 /// Runs `durability restore` and returns what to print.
 pub fn run_restore(args: &RestoreArgs) -> Result<String, BackupCommandError> {
+    if archive::is_archive(&args.backup) {
+        return run_restore_at(args);
+    }
+    if args.at.is_some() {
+        return Err(BackupCommandError::AtNeedsArchive {
+            backup: args.backup.clone(),
+        });
+    }
     let which = if args.objects.is_empty() {
         Restore::all()
     } else {
@@ -191,4 +229,55 @@ fn human_bytes(bytes: u64) -> String {
     } else {
         format!("{bytes} bytes")
     }
+}
+
+/// `durability restore ARCHIVE DATA_DIR [--at TIME]`.
+fn run_restore_at(args: &RestoreArgs) -> Result<String, BackupCommandError> {
+    if !args.objects.is_empty() {
+        return Err(BackupCommandError::ObjectWithArchive {
+            archive: args.backup.clone(),
+        });
+    }
+    let failed = |source: ArchiveError| BackupCommandError::Archive {
+        archive: args.backup.clone(),
+        dir: args.dir.clone(),
+        source: Box::new(source),
+    };
+    let at_ms = match &args.at {
+        Some(value) => archive::parse_time(value).map_err(|source| BackupCommandError::BadAt {
+            value: value.clone(),
+            source,
+        })?,
+        None => archive::read_manifest(&args.backup)
+            .map_err(failed)?
+            .lives
+            .iter()
+            .filter(|life| !life.bases.is_empty())
+            .map(|life| life.through_ms)
+            .max()
+            .unwrap_or(0),
+    };
+    let report = archive::restore_at(&args.backup, &args.dir, at_ms).map_err(failed)?;
+    let seconds = report.elapsed.as_secs_f64();
+    if args.json {
+        return Ok(json!({
+            "objects": report.objects,
+            "at_ms": report.at_ms,
+            "passes": report.passes,
+            "transactions": report.transactions,
+            "chunks": report.chunks,
+            "seconds": seconds,
+        })
+        .to_string());
+    }
+    Ok(format!(
+        "restored {} objects as of {} ms ({} journal passes, {} transactions from {} chunks over the base {}) into {} in {seconds:.2} s",
+        report.objects,
+        report.at_ms,
+        report.passes,
+        report.transactions,
+        report.chunks,
+        report.base.display(),
+        report.data_dir.display()
+    ))
 }

@@ -74,6 +74,12 @@ pub struct DemoArgs {
     /// mail flows, and keep serving after the run until Ctrl-C.
     #[arg(long, value_name = "ADDR")]
     serve: Option<std::net::SocketAddr>,
+    /// Archive every durable change continuously to URL (`file:///dir`)
+    /// while the demo runs: a base, then every synced journal pass, so
+    /// that `durability restore URL_PATH DIR --at TIME` can rebuild any
+    /// moment of the run (see docs/operating.md).
+    #[arg(long, value_name = "URL")]
+    archive: Option<String>,
     /// Test hook: stop producing after this many accepted batches and wait
     /// to be killed.
     #[arg(long, hide = true, value_name = "BATCHES")]
@@ -83,6 +89,11 @@ pub struct DemoArgs {
 /// Why the demo failed or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum DemoError {
+    #[error("invalid --archive")]
+    Archive {
+        #[source]
+        source: durability_host::archive::ArchiveError,
+    },
     #[error("cannot start the demo's tokio runtime")]
     Runtime {
         #[source]
@@ -238,19 +249,21 @@ async fn demo(args: &DemoArgs) -> Result<DemoOutput, DemoError> {
     // The host first: it takes the data directory's lock, so a second demo
     // on a busy directory fails here, before it reads or writes any run
     // file or says anything about resuming.
-    let host = Host::builder(&args.data_dir)
-        .shutdown_grace(SHUTDOWN_GRACE)
-        .build()
-        .map_err(|error| match error {
-            HostError::DataDirInUse {
-                path, holder_pid, ..
-            } => DemoError::DataDirInUse {
-                path,
-                holder: holder_pid
-                    .map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}")),
-            },
-            other => DemoError::Host { source: other },
-        })?;
+    let mut builder = Host::builder(&args.data_dir).shutdown_grace(SHUTDOWN_GRACE);
+    if let Some(url) = &args.archive {
+        let config = durability_host::archive::ArchiveConfig::new(url)
+            .map_err(|source| DemoError::Archive { source })?;
+        builder = builder.archive(config);
+    }
+    let host = builder.build().map_err(|error| match error {
+        HostError::DataDirInUse {
+            path, holder_pid, ..
+        } => DemoError::DataDirInUse {
+            path,
+            holder: holder_pid.map_or_else(|| "pid unknown".to_owned(), |pid| format!("pid {pid}")),
+        },
+        other => DemoError::Host { source: other },
+    })?;
     let serving = match (args.serve, metrics) {
         (Some(addr), Some(metrics)) => match serve_dashboard(&host, addr, metrics).await {
             Ok(serving) => Some(serving),
