@@ -36,6 +36,8 @@ pub struct CloudflareContext {
     state: DurableObjectState,
     storage: CloudflareStorage,
     cpu_limit: Cell<Duration>,
+    /// When the latest request or alarm delivery began.
+    invocation_started_at: Cell<Option<EpochMs>>,
 }
 
 impl CloudflareContext {
@@ -60,6 +62,7 @@ impl CloudflareContext {
             state: JsValue::from(state).unchecked_into(),
             storage,
             cpu_limit: Cell::new(DEFAULT_INVOCATION_CPU_LIMIT),
+            invocation_started_at: Cell::new(None),
         })
     }
 
@@ -68,6 +71,16 @@ impl CloudflareContext {
     /// the scheduler, which derives its alarm handoff from it.
     pub fn set_invocation_cpu_limit(&self, limit: Duration) {
         self.cpu_limit.set(limit);
+    }
+
+    /// Notes that a new event (a request, an alarm delivery) began now: the
+    /// platform gave the object a fresh CPU budget, which the scheduler's
+    /// in-memory runs may spend for up to its alarm handoff
+    /// ([`Context::invocation_started_at`]). [`crate::ObjectHost`] calls it
+    /// at every `fetch` and `alarm`; a class written by hand calls it at the
+    /// start of each of its handlers.
+    pub fn begin_invocation(&self) {
+        self.invocation_started_at.set(Some(self.now_ms()));
     }
 
     /// The storage with its Cloudflare-only calls ([`CloudflareStorage::refresh_alarm`]).
@@ -114,6 +127,10 @@ impl Context for CloudflareContext {
 
     fn invocation_cpu_limit(&self) -> Option<Duration> {
         Some(self.cpu_limit.get())
+    }
+
+    fn invocation_started_at(&self) -> Option<EpochMs> {
+        self.invocation_started_at.get()
     }
 
     fn wait_until(&self, task: LocalBoxFuture<'static, ()>) {

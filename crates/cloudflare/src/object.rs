@@ -91,7 +91,8 @@ impl<T: DurableObject> ObjectHost<T> {
 
     /// The exported `fetch`.
     pub async fn fetch(&self, req: Request) -> worker::Result<Response> {
-        let (_, object) = self.object()?;
+        let (ctx, object) = self.object()?;
+        ctx.begin_invocation();
         object.fetch(req).await
     }
 
@@ -99,6 +100,7 @@ impl<T: DurableObject> ObjectHost<T> {
     /// that fired) and runs the object's handler with the delivery's info.
     pub async fn alarm(&self, info: JsValue) -> worker::Result<()> {
         let (ctx, object) = self.object()?;
+        ctx.begin_invocation();
         ctx.cloudflare_storage()
             .refresh_alarm()
             .await

@@ -59,9 +59,11 @@ impl Peers for Binding {
 
 impl DurableObject for Conformance {
     fn new(ctx: Rc<CloudflareContext>, env: Env) -> worker::Result<Self> {
+        let limited = Rc::clone(&ctx);
         let ctx: Rc<dyn Context> = ctx;
-        let fixture =
-            Fixture::new(ctx, Arc::new(Binding(env))).map_err(worker::Error::RustError)?;
+        let fixture = Fixture::new(ctx, Arc::new(Binding(env)))
+            .map_err(worker::Error::RustError)?
+            .on_cpu_limit(move |limit| limited.set_invocation_cpu_limit(limit));
         Ok(Conformance { fixture })
     }
 

@@ -79,7 +79,15 @@ fn run() -> Result<(usize, usize), String> {
         driver.0.storage_dir().display()
     );
     let (mut passed, mut failed) = (0, 0);
+    // `CONFORMANCE_ONLY=name,name` runs only those scenarios, as on the host.
+    let only = std::env::var("CONFORMANCE_ONLY").ok();
     for (name, scenario) in scenarios::ALL {
+        if only
+            .as_deref()
+            .is_some_and(|only| !only.split(',').any(|n| n == *name))
+        {
+            continue;
+        }
         let started = Instant::now();
         match futures::executor::block_on(scenario(&driver, name)) {
             Ok(()) => {

@@ -78,4 +78,16 @@ pub trait Context {
     fn invocation_cpu_limit(&self) -> Option<Duration> {
         None
     }
+
+    /// When the platform event whose CPU budget the object's code now
+    /// spends began (the latest request or alarm delivery), where the
+    /// platform sets a CPU limit per event ([`Context::invocation_cpu_limit`]).
+    /// On Cloudflare each incoming event gives the object a fresh budget,
+    /// and in-memory timers that follow it spend that same budget; the
+    /// scheduler stops chaining timer runs once they have run for the
+    /// alarm handoff since this moment, and leaves the rest to the
+    /// physical alarm, a new event. `None` where there is no such limit.
+    fn invocation_started_at(&self) -> Option<EpochMs> {
+        None
+    }
 }

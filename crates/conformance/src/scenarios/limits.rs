@@ -2,12 +2,15 @@
 //! one past it is refused with `StorageError::LimitExceeded` naming the
 //! limit (never a runtime exception) and writes nothing; a body limit or an
 //! alarm handoff the platform could not honour is refused by `build`,
-//! naming the setter.
+//! naming the setter. And the CPU limit per invocation: a backlog of
+//! 100,000 deliveries drains over several invocations.
+
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::{Driver, ask, check};
-use crate::LimitsCommand;
+use crate::{FanoutCommand, FanoutSpec, LimitsCommand, SchedulerCommand};
 
 /// What a refused statement must say.
 fn refused(answer: &Value, limit: &str, value: usize, max: usize) -> bool {
@@ -163,4 +166,96 @@ pub(crate) async fn an_alarm_handoff_stays_below_the_platforms_cpu_limit(
             format!("default handoff without a CPU limit: {default}")
         }),
     }
+}
+
+/// Messages of the backlog scenario, enqueued in batches of
+/// [`BACKLOG_ENQUEUE`].
+const BACKLOG: usize = 100_000;
+const BACKLOG_ENQUEUE: usize = 1_000;
+/// The CPU limit the backlog object runs under where the platform has
+/// one: its in-memory runs may chain for 2 s after each event.
+const BACKLOG_CPU_LIMIT_MS: u64 = 4_000;
+/// How long the backlog scenario waits between looks at the object. Each
+/// look is a request, which gives the object a fresh CPU budget, so it
+/// looks seldom: between looks, only alarm deliveries renew the budget.
+const BACKLOG_LOOK_EVERY: Duration = Duration::from_secs(5);
+/// How long the backlog may take to drain.
+const BACKLOG_DEADLINE: Duration = Duration::from_secs(900);
+
+pub(crate) async fn a_backlog_of_100000_deliveries_drains_over_several_invocations(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-backlog");
+    let target = || "a".to_owned();
+    let set = ask(
+        driver,
+        &object,
+        LimitsCommand::SetCpuLimit {
+            ms: BACKLOG_CPU_LIMIT_MS,
+        },
+    )
+    .await?;
+    let limited = set["applied"] == true;
+    // The whole backlog first, then one request lets it go.
+    ask(driver, &object, FanoutCommand::Pause { target: target() }).await?;
+    for chunk in 0..BACKLOG / BACKLOG_ENQUEUE {
+        let messages = (chunk * BACKLOG_ENQUEUE..(chunk + 1) * BACKLOG_ENQUEUE)
+            .map(|n| FanoutSpec {
+                id: format!("m{n}"),
+                ..FanoutSpec::default()
+            })
+            .collect();
+        let answer = ask(
+            driver,
+            &object,
+            FanoutCommand::Enqueue {
+                messages,
+                targets: vec![target()],
+            },
+        )
+        .await?;
+        check(
+            answer["accepted"].as_array().map(Vec::len) == Some(BACKLOG_ENQUEUE),
+            || format!("enqueue {chunk}: {answer}"),
+        )?;
+    }
+    let owed = ask(driver, &object, FanoutCommand::Backlog { target: target() }).await?;
+    check(owed == json!(BACKLOG), || {
+        format!("owed before the drain: {owed}")
+    })?;
+    let runs_before = alarm_runs(driver, &object).await?;
+    ask(driver, &object, FanoutCommand::Resume { target: target() }).await?;
+    let mut waited = Duration::ZERO;
+    loop {
+        driver.sleep(BACKLOG_LOOK_EVERY).await;
+        waited += BACKLOG_LOOK_EVERY;
+        let owed = ask(driver, &object, FanoutCommand::Backlog { target: target() }).await?;
+        if owed == json!(0) {
+            break;
+        }
+        if waited >= BACKLOG_DEADLINE {
+            return Err(format!("{owed} deliveries still owed after {waited:?}"));
+        }
+    }
+    let acked = ask(driver, &object, FanoutCommand::Acked { target: target() }).await?;
+    check(
+        acked == json!({ "acks": BACKLOG, "distinct": BACKLOG }),
+        || format!("every message acked once: {acked}"),
+    )?;
+    if limited {
+        // The in-memory runs stopped chaining 2 s after each event, so
+        // physical alarm deliveries (new invocations) ran the rest.
+        let runs = alarm_runs(driver, &object).await? - runs_before;
+        check(runs >= 2, || {
+            format!("the backlog drained in {runs} alarm invocations")
+        })?;
+        println!("       {BACKLOG} deliveries drained over {runs} alarm invocations");
+    }
+    Ok(())
+}
+
+async fn alarm_runs(driver: &dyn Driver, object: &str) -> Result<usize, String> {
+    let runs = ask(driver, object, SchedulerCommand::AlarmRuns).await?;
+    Ok(runs.as_array().map_or(0, Vec::len))
 }

@@ -765,6 +765,10 @@ impl Engine {
         if delay > i64::try_from(MAX_TIMER_MS).unwrap_or(i64::MAX) {
             return;
         }
+        if self.invocation_budget_spent() {
+            // The physical alarm the reconcile set takes it from here.
+            return;
+        }
         let id = self.next_id();
         let (abort, registration) = AbortHandle::new_pair();
         let sleep = self.ctx.sleep(Duration::from_millis(
@@ -800,6 +804,28 @@ impl Engine {
         self.ctx
             .spawn(Box::pin(Abortable::new(fire, registration).map(|_| ())));
         *early = Some(EarlyTimer { at, id, abort });
+    }
+
+    /// Whether the in-memory runs have spent this event's share of the
+    /// platform's CPU limit: they have gone on for the alarm handoff (and
+    /// at most half the limit) since the latest request or alarm delivery
+    /// began ([`Context::invocation_started_at`]). Timer runs after an
+    /// event spend that event's CPU budget, so a backlog drained pass after
+    /// pass from the timer would otherwise run into the limit; once spent,
+    /// no timer is armed and the physical alarm, a new event with a budget
+    /// of its own, runs the rest. Never spent where the platform sets no
+    /// limit (the embedded host).
+    fn invocation_budget_spent(&self) -> bool {
+        let (Some(limit), Some(started)) = (
+            self.ctx.invocation_cpu_limit(),
+            self.ctx.invocation_started_at(),
+        ) else {
+            return false;
+        };
+        let half_limit = u64::try_from(limit.as_millis() / 2).unwrap_or(u64::MAX);
+        let budget = self.alarm_handoff_ms.min(half_limit);
+        let spent = u64::try_from(self.now().saturating_sub(started)).unwrap_or(0);
+        spent >= budget
     }
 
     pub(crate) fn try_acquire_permit(&self) -> Option<OwnedSemaphorePermit> {
