@@ -3,14 +3,16 @@
 //! limit (never a runtime exception) and writes nothing; a body limit or an
 //! alarm handoff the platform could not honour is refused by `build`,
 //! naming the setter. And the CPU limit per invocation: a backlog of
-//! 100,000 deliveries drains over several invocations.
+//! 100,000 deliveries drains over several invocations, and one trim of
+//! 20,000 records stops at its share of the limit.
 
 use std::time::Duration;
 
 use serde_json::{Value, json};
 
 use super::{Driver, ask, check};
-use crate::{FanoutCommand, FanoutSpec, LimitsCommand, SchedulerCommand};
+use crate::fixture::log::RETAINED_RECORDS;
+use crate::{FanoutCommand, FanoutSpec, LimitsCommand, LogCommand, SchedulerCommand};
 
 /// What a refused statement must say.
 fn refused(answer: &Value, limit: &str, value: usize, max: usize) -> bool {
@@ -258,4 +260,79 @@ pub(crate) async fn a_backlog_of_100000_deliveries_drains_over_several_invocatio
 async fn alarm_runs(driver: &dyn Driver, object: &str) -> Result<usize, String> {
     let runs = ask(driver, object, SchedulerCommand::AlarmRuns).await?;
     Ok(runs.as_array().map_or(0, Vec::len))
+}
+
+/// Records of the trim scenario, appended in batches of [`TRIM_APPEND`]
+/// (the log's default `max_batch_size`).
+const TRIM_RECORDS: u64 = 20_000;
+const TRIM_APPEND: u64 = 100;
+
+pub(crate) async fn a_trim_of_20000_records_stops_at_its_share_of_the_cpu_limit(
+    driver: &dyn Driver,
+    prefix: &str,
+) -> Result<(), String> {
+    let object = format!("{prefix}-trim");
+    let set = ask(
+        driver,
+        &object,
+        LimitsCommand::SetCpuLimit {
+            ms: BACKLOG_CPU_LIMIT_MS,
+        },
+    )
+    .await?;
+    let limited = set["applied"] == true;
+    for chunk in 0..TRIM_RECORDS / TRIM_APPEND {
+        let bodies = (chunk * TRIM_APPEND..(chunk + 1) * TRIM_APPEND)
+            .map(|n| json!(n))
+            .collect();
+        let answer = ask(
+            driver,
+            &object,
+            LogCommand::Append {
+                bodies,
+                keys: Vec::new(),
+            },
+        )
+        .await?;
+        check(
+            answer["offsets"].as_array().map(Vec::len) == Some(TRIM_APPEND as usize),
+            || format!("append {chunk}: {answer}"),
+        )?;
+    }
+    // Each trim is a request of its own, with a budget of its own.
+    let condemned = TRIM_RECORDS - RETAINED_RECORDS;
+    let (mut trimmed, mut calls) = (0u64, 0u32);
+    while trimmed < condemned {
+        let answer = ask(driver, &object, LogCommand::Trim).await?;
+        calls += 1;
+        let removed = answer.as_u64().unwrap_or(0);
+        check(removed > 0 && calls <= 1_000, || {
+            format!("trim {calls} removed {answer} with {trimmed} of {condemned} done")
+        })?;
+        trimmed += removed;
+    }
+    check(trimmed == condemned, || {
+        format!("{trimmed} records trimmed of {condemned}")
+    })?;
+    if limited {
+        check(calls >= 2, || {
+            format!("one trim took all {condemned} records under the CPU limit")
+        })?;
+        println!("       {condemned} records trimmed in {calls} calls");
+    } else {
+        check(calls == 1, || format!("{calls} trims without a CPU limit"))?;
+    }
+    // Still readable, from the cold segments.
+    let page = ask(
+        driver,
+        &object,
+        LogCommand::Read {
+            from: 0,
+            limit: Some(3),
+        },
+    )
+    .await?;
+    check(page["offsets"] == json!([0, 1, 2]), || {
+        format!("the oldest records after the trims: {page}")
+    })
 }

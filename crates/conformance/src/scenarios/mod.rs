@@ -78,6 +78,7 @@ pub const ALL: &[Scenario] = scenarios![
     limits::body_limits_the_platform_cannot_store_are_refused_naming_the_setter,
     limits::an_alarm_handoff_stays_below_the_platforms_cpu_limit,
     limits::a_backlog_of_100000_deliveries_drains_over_several_invocations,
+    limits::a_trim_of_20000_records_stops_at_its_share_of_the_cpu_limit,
     scheduler::one_physical_alarm_follows_the_earliest_work_of_every_capability,
     scheduler::the_pool_runs_at_most_its_concurrency_in_fifo_order,
     scheduler::work_inside_the_min_delay_runs_from_memory_and_the_alarm_stays_beyond_it,

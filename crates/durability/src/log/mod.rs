@@ -1014,7 +1014,10 @@ where
     /// condemns, flushing them to cold storage first when it is configured
     /// (written, then indexed, then deleted, so a crash never leaves a
     /// record unreadable). Returns how many records left the hot table.
-    /// Never runs by itself; call it from a named alarm.
+    /// Never runs by itself; call it from a named alarm. Where the platform
+    /// limits CPU per event (Cloudflare), one call stops after the share of
+    /// it the scheduler allows in-memory work (its alarm handoff, at most
+    /// half the limit) and may leave condemned records for the next call.
     pub async fn trim(&self) -> Result<u64, LogError> {
         let trimmed = retention::trim(&self.inner).await?;
         crate::telemetry::log_trimmed(trimmed);

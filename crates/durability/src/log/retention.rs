@@ -1,7 +1,10 @@
 //! Retention: which hot records a trim removes, and the trim itself.
 //!
 //! A trim never runs on its own: the log registers no due work, so an
-//! application drives it (typically from a named alarm). Each pass takes up
+//! application drives it (typically from a named alarm). A call runs passes
+//! until nothing more is condemned or, where the platform limits CPU per
+//! event, until it has spent the event's share (the scheduler's alarm
+//! handoff, at most half the limit); the next call goes on. Each pass takes up
 //! to `max_batch_size` of the oldest hot records and removes the longest
 //! prefix of them that some limit condemns: beyond `max_records`, over
 //! `max_bytes`, or older than `max_age`. With cold storage the prefix is
@@ -281,6 +284,11 @@ pub(super) async fn trim(inner: &Inner) -> Result<u64, LogError> {
         // Fewer than expected means another writer got there first; stop so
         // the next call does not flush the remainder twice.
         if deleted < u64::try_from(prefix.len()).unwrap_or(u64::MAX) {
+            break;
+        }
+        // Where the platform limits CPU per event, one call stops once it
+        // has spent the event's share; the next call goes on from here.
+        if engine.invocation_budget_spent() {
             break;
         }
     }

@@ -815,7 +815,7 @@ impl Engine {
     /// no timer is armed and the physical alarm, a new event with a budget
     /// of its own, runs the rest. Never spent where the platform sets no
     /// limit (the embedded host).
-    fn invocation_budget_spent(&self) -> bool {
+    pub(crate) fn invocation_budget_spent(&self) -> bool {
         let (Some(limit), Some(started)) = (
             self.ctx.invocation_cpu_limit(),
             self.ctx.invocation_started_at(),
