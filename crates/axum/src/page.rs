@@ -22,6 +22,9 @@ pub(crate) struct Context<'a> {
     pub read_only: bool,
     /// What `last-backup.json` of the data directory records.
     pub last_backup: Option<durability_host::backup::LastBackup>,
+    /// How far the host's continuous archive is behind (`None`: no host,
+    /// or no archive).
+    pub archive_lag: Option<std::time::Duration>,
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -376,6 +379,19 @@ fn backup_line(html: &mut String, ctx: &Context<'_>) {
         None => html.push_str(
             r#"<p class="backup empty">no backup recorded (durability backup DATA_DIR DEST)</p>"#,
         ),
+    }
+    match ctx.archive_lag {
+        Some(lag) if lag.is_zero() => {
+            html.push_str(r#"<p class="archive">archive: caught up</p>"#);
+        }
+        Some(lag) => {
+            let _ = write!(
+                html,
+                r#"<p class="archive behind">archive: {:.1} s behind (the journal keeps what is not shipped)</p>"#,
+                lag.as_secs_f64()
+            );
+        }
+        None => {}
     }
 }
 

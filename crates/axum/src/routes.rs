@@ -123,6 +123,7 @@ fn context(
 ) -> page::Context<'_> {
     page::Context {
         last_backup,
+        archive_lag: state.host.as_ref().and_then(Host::archive_lag),
         base,
         title: &state.title,
         now_ms: now_ms(state),

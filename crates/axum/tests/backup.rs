@@ -3,7 +3,11 @@
 
 mod support;
 
+use std::time::Duration;
+
 use durability_axum::{Admin, Dashboard};
+use durability_host::Host;
+use durability_host::archive::ArchiveConfig;
 use support::{Server, World, get, post};
 
 const TOKEN: &str = "correct horse battery staple";
@@ -67,5 +71,33 @@ async fn the_backup_action_is_absent_without_admin_and_unwired_without_a_directo
     .await;
     let unwired = post(format!("{}/api/backup", server.base), Some(TOKEN), "{}").await;
     assert_eq!(unwired.status, 501, "{unwired:?}");
+    world.host.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_says_whether_the_hosts_archive_is_caught_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("archive");
+    let config = ArchiveConfig::new(&format!("file://{}", archive.display()))
+        .unwrap()
+        .ship_interval(Duration::from_millis(20));
+    let host = Host::builder(dir.path().join("data"))
+        .threads(1)
+        .archive(config)
+        .build()
+        .unwrap();
+    let server = Server::start(Dashboard::for_host(&host).build().unwrap()).await;
+    while host.archive_lag() != Some(Duration::ZERO) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let page = get(format!("{}/", server.base)).await;
+    assert!(page.body.contains("archive: caught up"), "{}", page.body);
+    drop(server);
+    host.shutdown().await;
+
+    let world = World::new().await;
+    let server = Server::start(Dashboard::for_host(&world.host).build().unwrap()).await;
+    let page = get(format!("{}/", server.base)).await;
+    assert!(!page.body.contains("archive:"), "{}", page.body);
     world.host.shutdown().await;
 }
