@@ -14,7 +14,12 @@
 //! verification, writes, syncs and the alarm index; no floor). The floor,
 //! `raw/backup-api`, opens every object file read-only and copies it with
 //! `rusqlite::backup` into a fresh file on one thread: no checksum, no
-//! sync, no manifest, no temporary name. The backup itself hashes each
+//! sync, no manifest, no temporary name. Last, `restore/at-a-moment`:
+//! a host archiving the directory (`HostBuilder::archive`, `file://`)
+//! writes one row to every object once its base exists and stops; the
+//! archive is restored at the moment after the last write
+//! (`archive::restore_at`: the base, every pass replayed, syncs, the
+//! alarm index), timed. The backup itself hashes each
 //! copy, syncs each file and directory and copies on up to 4 threads, so
 //! its ratio can be below or above 1. The files are in the page cache.
 
@@ -80,6 +85,23 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
     let (idle, writing, calls) = runtime.block_on(backups(&dir, &out, objects))?;
     write_back()?;
     let restore = timed_restore(&out.join("idle"), &out.join("restored"), objects)?;
+    let archive = out.join("archive");
+    let at = runtime.block_on(archived_run(&dir, &archive, objects))?;
+    write_back()?;
+    let started = Instant::now();
+    let pitr = durability_host::archive::restore_at(&archive, out.join("restored-at"), at)
+        .map_err(|error| BenchError::Archive {
+            message: error.to_string(),
+        })?;
+    let pitr_elapsed = started.elapsed();
+    if pitr.objects != count(objects) {
+        return Err(BenchError::Task {
+            message: format!(
+                "the restore at a moment wrote {} of {objects} objects",
+                pitr.objects
+            ),
+        });
+    }
 
     let floor = Measurement::new(
         "raw/backup-api",
@@ -168,6 +190,24 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         key: "restore_s",
         label: format!("restore of {objects} objects"),
         value: restore.as_secs_f64(),
+        unit: "s",
+    });
+    report.measurements.push(
+        Measurement::new(
+            "restore/at-a-moment",
+            "archive::restore_at of an archive (a base of every object, then one committed row per object shipped as journal passes) at the moment after the last write: base restore, replay of every pass, syncs, alarm index",
+            count(objects),
+            pitr_elapsed,
+            &Latency::new()?,
+        )
+        .with("passes", pitr.passes)
+        .with("transactions", pitr.transactions)
+        .with("chunks", pitr.chunks),
+    );
+    report.figures.push(Figure {
+        key: "restore_at_s",
+        label: format!("point-in-time restore of {objects} objects"),
+        value: pitr_elapsed.as_secs_f64(),
         unit: "s",
     });
     Ok(report)
@@ -305,6 +345,56 @@ async fn backups(
     .await;
     host.shutdown().await;
     outcome
+}
+
+/// Starts a host archiving `dir` to `archive`, waits for its base, writes
+/// one row to every object, stops it; returns a moment after the last
+/// write (every one of them then lies before it).
+async fn archived_run(dir: &Path, archive: &Path, objects: usize) -> Result<i64, BenchError> {
+    let config =
+        durability_host::archive::ArchiveConfig::new(&format!("file://{}", archive.display()))
+            .map_err(|error| BenchError::Archive {
+                message: error.to_string(),
+            })?;
+    let host = Host::builder(dir)
+        .max_live_objects(MAX_LIVE_OBJECTS)
+        .archive(config)
+        .build()?;
+    let ns = host.namespace(NAMESPACE, factory)?;
+    let outcome = async {
+        while !durability_host::archive::read_manifest(archive)
+            .is_ok_and(|m| m.lives.iter().any(|l| !l.bases.is_empty()))
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut writers = tokio::task::JoinSet::new();
+        for w in 0..WRITERS {
+            let ns = ns.clone();
+            writers.spawn(async move {
+                for i in (w..objects).step_by(WRITERS) {
+                    let stub = ns.stub(&format!("kept-{i}"))?;
+                    stub.call(|o: std::rc::Rc<Kept>| async move {
+                        o.0.storage()
+                            .execute("INSERT INTO kept (value) VALUES ('archived')", &[])
+                    })
+                    .await??;
+                }
+                Ok::<(), BenchError>(())
+            });
+        }
+        while let Some(joined) = writers.join_next().await {
+            joined.map_err(|e| BenchError::Task {
+                message: e.to_string(),
+            })??;
+        }
+        Ok::<_, BenchError>(())
+    }
+    .await;
+    let written = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    host.shutdown().await;
+    outcome.map(|()| written)
 }
 
 /// Writes every dirty page of the machine back (`sync`), so that each

@@ -99,6 +99,8 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot set up the archive: {message}")]
+    Archive { message: String },
     #[error("cannot build a latency histogram: {message}")]
     Histogram { message: String },
     #[error("cannot write JSON results to {}", path.display())]

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use durability::lifecycle::{LifecycleEvent, LifecycleHook, Outcome};
 use durability::{DurableCall, HandlerError, Operations, Scheduler};
+use durability_host::archive::ArchiveConfig;
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext, Stub};
 use tokio::sync::Notify;
 
@@ -32,6 +33,9 @@ use super::rss;
 use super::sqlite_floor::{self, SyncMode};
 use super::{BenchEnv, BenchError, Measurement, ScenarioReport};
 use crate::modes::MODES;
+
+/// The key of the default mode with a continuous archive.
+const ARCHIVED: &str = "default-archived";
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "operations";
@@ -127,20 +131,36 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
         measurements: vec![floor.clone()],
         figures: Vec::new(),
         notes: vec![
-            format!("host: {threads} executor threads, default scheduler options; modes: default (group commit with output gates, one fdatasync of the host journal per flush), default-walfiles (the same, an fdatasync of each dirty WAL per flush), full, normal"),
+            format!("host: {threads} executor threads, default scheduler options; modes: default (group commit with output gates, one fdatasync of the host journal per flush), default-walfiles (the same, an fdatasync of each dirty WAL per flush), full, normal, and {ARCHIVED} (the default with HostBuilder::archive to a file:// directory on the same disk: a base, then every synced pass shipped each second)"),
             format!("1 or {CALLERS} callers register no-op operations; ops/s = end to end, from the first registration until the last completion committed; p50/p99 = one registration call as its caller waits for it (the reply is released once durable in the default mode)"),
             "÷ floor: end-to-end ops/s divided by full/write, raw SQLite committing one row per transaction with synchronous=FULL, measured in the same run".into(),
             "cpu_us_per_op (JSON): CPU time of the whole process (every thread: host, flusher, callers) from the first registration to the last completion, per operation".into(),
         ],
     };
     runtime.block_on(async {
-        for mode in MODES {
+        // The default mode once more with a continuous archive to a local
+        // directory (a base, then every synced journal pass): its cost is
+        // this variant's ops/s against the default's, in the same run.
+        let variants = MODES
+            .iter()
+            .map(|mode| (*mode, mode.key, false))
+            .chain([(MODES[0], ARCHIVED, true)]);
+        for (mode, key, archived) in variants {
             for (placement, objects) in [
                 ("one-object".to_owned(), 1),
                 (format!("{many}-objects"), many),
             ] {
-                let dir = env.subdir(&format!("operations-{}-{placement}", mode.key))?;
-                let host = mode.builder(&dir).threads(threads).build()?;
+                let dir = env.subdir(&format!("operations-{key}-{placement}"))?;
+                let mut builder = mode.builder(&dir).threads(threads);
+                if archived {
+                    let archive = env.subdir(&format!("operations-{key}-{placement}-archive"))?;
+                    let config = ArchiveConfig::new(&format!("file://{}", archive.display()))
+                        .map_err(|error| BenchError::Archive {
+                            message: error.to_string(),
+                        })?;
+                    builder = builder.archive(config);
+                }
+                let host = builder.build()?;
                 let done = Arc::new(Completions::default());
                 let hooks = Arc::clone(&done);
                 let ns = host.namespace::<OpsObject>("ops", move |ctx| {
@@ -149,7 +169,7 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
                 let stubs: Vec<Stub<OpsObject>> = (0..objects)
                     .map(|i| ns.stub(&format!("ops-{i}")))
                     .collect::<Result<_, _>>()?;
-                let label = format!("{}/{placement}", mode.key);
+                let label = format!("{key}/{placement}");
                 let measured = measure(env, &label, stubs, &done, &floor).await;
                 host.shutdown().await;
                 report.measurements.extend(measured?);
