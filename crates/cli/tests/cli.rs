@@ -273,9 +273,9 @@ fn bench_operations_quick_writes_the_headline_and_cpu_per_operation() {
         .iter()
         .filter(|m| m["name"].as_str().is_some_and(|n| n.ends_with("-callers")))
         .collect();
-    // Four modes (the default, its per-WAL flush, FULL, NORMAL), two
-    // placements, two caller counts.
-    assert_eq!(end_to_end.len(), 16, "{result}");
+    // Five modes (the default, its per-WAL flush, FULL, NORMAL, the
+    // default with an archive), two placements, two caller counts.
+    assert_eq!(end_to_end.len(), 20, "{result}");
     for m in end_to_end {
         let (total, user, sys) = (
             m["cpu_us_per_op"].as_f64(),
