@@ -49,7 +49,7 @@ use std::io::{Read as _, Write as _};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use durability_platform::EpochMs;
 use rand::Rng as _;
@@ -57,6 +57,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
 use crate::backup::{BackupError, Restore};
+use crate::clock::system_now_ms as now_ms;
 
 /// How long an archive keeps what it needs to restore any moment: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -294,90 +295,11 @@ pub fn parse_time(value: &str) -> Result<EpochMs, ArchiveError> {
             .filter(|ms| *ms <= durability_platform::MAX_SAFE_INTEGER)
             .ok_or_else(|| invalid("epoch milliseconds must be at most 2^53 - 1"));
     }
-    rfc3339_ms(text).ok_or_else(|| {
-        invalid("must be RFC 3339 (2026-12-04T23:10:00Z, optional fraction and offset) or epoch milliseconds")
-    })
-}
-
-/// `YYYY-MM-DDTHH:MM:SS[.fff][Z|±HH:MM]` as epoch milliseconds.
-fn rfc3339_ms(text: &str) -> Option<EpochMs> {
-    let bytes = text.as_bytes();
-    let num = |from: usize, len: usize| -> Option<i64> {
-        let part = text.get(from..from + len)?;
-        part.bytes()
-            .all(|b| b.is_ascii_digit())
-            .then(|| part.parse().ok())?
-    };
-    let (year, month, day) = (num(0, 4)?, num(5, 2)?, num(8, 2)?);
-    let separators = [(4, b'-'), (7, b'-'), (13, b':'), (16, b':')];
-    if separators.iter().any(|&(at, c)| bytes.get(at) != Some(&c))
-        || !matches!(bytes.get(10), Some(b'T' | b't' | b' '))
-    {
-        return None;
-    }
-    let (hour, minute, second) = (num(11, 2)?, num(14, 2)?, num(17, 2)?);
-    if !(1..=12).contains(&month)
-        || !(1..=31).contains(&day)
-        || hour > 23
-        || minute > 59
-        || second > 60
-    {
-        return None;
-    }
-    let mut at = 19;
-    let mut millis = 0i64;
-    if bytes.get(at) == Some(&b'.') {
-        at += 1;
-        let start = at;
-        while bytes.get(at).is_some_and(u8::is_ascii_digit) {
-            at += 1;
-        }
-        let digits = text.get(start..at)?;
-        if digits.is_empty() {
-            return None;
-        }
-        let padded: String = digits.chars().chain("000".chars()).take(3).collect();
-        millis = padded.parse().ok()?;
-    }
-    let offset_minutes = match text.get(at..)? {
-        "Z" | "z" => 0,
-        rest if rest.len() == 6 && matches!(rest.as_bytes()[0], b'+' | b'-') => {
-            let sign = if rest.as_bytes()[0] == b'-' { -1 } else { 1 };
-            if rest.as_bytes()[3] != b':' {
-                return None;
-            }
-            let (h, m) = (num(at + 1, 2)?, num(at + 4, 2)?);
-            if h > 23 || m > 59 {
-                return None;
-            }
-            sign * (h * 60 + m)
-        }
-        _ => return None,
-    };
-    let days = days_from_civil(year, month, day);
-    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - offset_minutes * 60;
-    let ms = seconds.checked_mul(1000)?.checked_add(millis)?;
-    (0..=durability_platform::MAX_SAFE_INTEGER)
-        .contains(&ms)
-        .then_some(ms)
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard
-/// Hinnant's algorithm).
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (month + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-fn now_ms() -> EpochMs {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| {
-        EpochMs::try_from(d.as_millis()).unwrap_or(EpochMs::MAX)
-    })
+    let rfc3339 = "must be RFC 3339 (2026-12-04T23:10:00Z, optional fraction and offset) or epoch milliseconds";
+    let at: jiff::Timestamp = text.parse().map_err(|_| invalid(rfc3339))?;
+    Some(at.as_millisecond())
+        .filter(|ms| (0..=durability_platform::MAX_SAFE_INTEGER).contains(ms))
+        .ok_or_else(|| invalid("must lie between 1970 and 2^53 - 1 epoch milliseconds"))
 }
 
 /// A place in a life's journal: segment `seq`, byte `offset` (a pass

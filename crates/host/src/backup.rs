@@ -68,8 +68,9 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::clock::system_now_ms as now_ms;
 use crate::error::storage_error;
-use crate::id::{is_object_id, object_path, objects_dir};
+use crate::id::{hex, is_object_id, object_file, object_path, objects_dir};
 use crate::storage::{ALARM_TABLE, META_TABLE};
 use crate::{DATA_DIR_LOCK_FILE, Host, HostError};
 
@@ -660,7 +661,8 @@ fn copy_object(id: &str, source: &Path, into: &Path) -> Result<ObjectCopy, Backu
         source: source_error,
     };
     let sqlite = |e: rusqlite::Error| failed(storage_error(e));
-    let relative = relative_path(id);
+    // Ids are hex, so the relative path is ASCII.
+    let relative = object_file(id).to_string_lossy().into_owned();
     let dest = into.join(&relative);
     if let Some(shard) = dest.parent() {
         std::fs::create_dir_all(shard).map_err(io(shard))?;
@@ -834,12 +836,12 @@ pub fn read_manifest(backup: impl AsRef<Path>) -> Result<Manifest, BackupError> 
                 object.id
             )));
         }
-        if object.file != relative_path(&object.id) {
+        if Path::new(&object.file) != object_file(&object.id) {
             return Err(bad(format!(
                 "object {} names the file {:?}; it must be {:?}",
                 object.id,
                 object.file,
-                relative_path(&object.id)
+                object_file(&object.id)
             )));
         }
         if !seen.insert(object.id.as_str()) {
@@ -1250,28 +1252,6 @@ fn hash_file(path: &Path) -> Result<(u64, String), BackupError> {
         bytes += n as u64;
     }
     Ok((bytes, hex(&hasher.finalize())))
-}
-
-/// Where object `id`'s file lives, relative to a data directory or backup.
-fn relative_path(id: &str) -> String {
-    let shard = id.get(..2).unwrap_or("00");
-    format!("objects/{shard}/{id}.sqlite")
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
-    }
-    out
-}
-
-fn now_ms() -> EpochMs {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| {
-        EpochMs::try_from(d.as_millis()).unwrap_or(EpochMs::MAX)
-    })
 }
 
 #[cfg(test)]

@@ -10,6 +10,15 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use durability_platform::EpochMs;
 use tokio::time::Instant;
 
+/// Milliseconds since the Unix epoch by the system clock, for stamps that
+/// are not an object's time (a backup's, an archive's).
+pub(crate) fn system_now_ms() -> EpochMs {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| EpochMs::try_from(d.as_millis()).unwrap_or(EpochMs::MAX))
+        .unwrap_or(0)
+}
+
 /// A copyable clock; every object of a host shares the same origin.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Clock {
@@ -20,12 +29,7 @@ pub(crate) struct Clock {
 impl Clock {
     /// Starts the clock at `origin_ms`, or at the current system time.
     pub(crate) fn start(origin_ms: Option<EpochMs>) -> Self {
-        let origin_ms = origin_ms.unwrap_or_else(|| {
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-                .unwrap_or(0)
-        });
+        let origin_ms = origin_ms.unwrap_or_else(system_now_ms);
         Clock {
             origin_ms,
             origin: Instant::now(),

@@ -35,16 +35,20 @@ pub(crate) fn object_id(namespace: &str, name: &str) -> ObjectId {
     hasher.update(namespace.as_bytes());
     hasher.update([0u8]);
     hasher.update(name.as_bytes());
-    let digest = hasher.finalize();
-    let mut hex = String::with_capacity(64);
-    for byte in digest {
-        hex.push(char::from(HEX[usize::from(byte >> 4)]));
-        hex.push(char::from(HEX[usize::from(byte & 0x0f)]));
-    }
-    ObjectId::new(hex)
+    ObjectId::new(hex(&hasher.finalize()))
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// `bytes` as lowercase hex: object ids, and the SHA-256 sums of backups.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0x0f)]));
+    }
+    out
+}
 
 /// Whether `id` looks like an id this host made (64 lowercase hex digits);
 /// anything else is refused before it can reach a path.
@@ -60,9 +64,14 @@ pub(crate) fn objects_dir(data_dir: &Path) -> PathBuf {
 /// `<data>/objects/<first two hex digits>/<id>.sqlite`: the fan-out keeps
 /// directories small with many objects.
 pub(crate) fn object_path(data_dir: &Path, id: &ObjectId) -> PathBuf {
-    let id = id.as_str();
+    data_dir.join(object_file(id.as_str()))
+}
+
+/// [`object_path`] relative to the data directory (or to a backup, which
+/// keeps the same layout).
+pub(crate) fn object_file(id: &str) -> PathBuf {
     let shard = id.get(..2).unwrap_or("00");
-    objects_dir(data_dir)
+    Path::new("objects")
         .join(shard)
         .join(format!("{id}.sqlite"))
 }
