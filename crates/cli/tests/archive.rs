@@ -3,29 +3,12 @@
 //! processes, on real files.
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use durability_host::archive;
 use durability_host::inspect;
 
-fn durability() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_durability"))
-}
-
-fn run(command: &mut Command) -> Output {
-    command
-        .output()
-        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"))
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
+mod support;
+use support::{durability, run, show};
 
 /// Every user table of every object of `dir` with its row count.
 fn contents(dir: &Path) -> Vec<(String, String, i64)> {

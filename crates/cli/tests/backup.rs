@@ -3,31 +3,14 @@
 //! backup killed with SIGKILL in the middle.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use durability_host::{DurableObject, Host, ObjectContext};
 use durability_platform::Context;
 
-fn durability() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_durability"))
-}
-
-fn run(command: &mut Command) -> Output {
-    command
-        .output()
-        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"))
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
+mod support;
+use support::{durability, run, show};
 
 struct Thing(ObjectContext);
 impl DurableObject for Thing {}

@@ -2,20 +2,12 @@
 //! a child process, on real files in temporary directories. Assertions are
 //! about exit codes and what the output says, never about timing.
 
-use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
-fn durability(args: &[&str]) -> Output {
-    match Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(args)
-        .output()
-    {
-        Ok(output) => output,
-        Err(error) => panic!("cannot run the durability binary: {error}"),
-    }
-}
+mod support;
+use support::{durability_with as durability, path_arg};
 
 fn succeeded(output: &Output) -> bool {
     if !output.status.success() {
@@ -34,11 +26,6 @@ fn json_of(text: &[u8]) -> Value {
         Ok(value) => value,
         Err(error) => panic!("not JSON ({error}):\n{}", String::from_utf8_lossy(text)),
     }
-}
-
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
 }
 
 #[test]

@@ -14,6 +14,9 @@ use std::process::{Child, Command, Output, Stdio};
 
 use serde_json::Value;
 
+mod support;
+use support::{path_arg, show};
+
 /// What the demo prints on stderr once paused (its `PAUSED_MARKER`).
 const PAUSED: &str = "demo paused by --pause-after-batches";
 
@@ -27,26 +30,12 @@ fn demo(dir: &Path, extra: &[&str]) -> Output {
     }
 }
 
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
 fn summary_of(output: &Output) -> Value {
     assert!(output.status.success(), "{}", show(output));
     match serde_json::from_slice(&output.stdout) {
         Ok(value) => value,
         Err(error) => panic!("stdout is not one JSON object ({error}):\n{}", show(output)),
     }
-}
-
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
 }
 
 fn count(summary: &Value, field: &str) -> u64 {

@@ -4,35 +4,14 @@
 //! child process, on real files.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::rc::Rc;
 
 use durability_host::{DurableObject, Host, ObjectContext};
 use durability_platform::Context;
 
-fn durability() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_durability"))
-}
-
-fn run(command: &mut Command) -> Output {
-    command
-        .output()
-        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"))
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
-}
+mod support;
+use support::{durability, path_arg, run, show};
 
 struct Thing(ObjectContext);
 impl DurableObject for Thing {}

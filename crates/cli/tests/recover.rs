@@ -8,36 +8,18 @@
 use std::io::{BufRead as _, BufReader};
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
 use serde_json::Value;
+
+mod support;
+use support::{durability_with as durability, path_arg, show};
 
 /// What the demo prints on stderr once paused (its `PAUSED_MARKER`).
 const PAUSED: &str = "demo paused by --pause-after-batches";
 
 /// The bytes a test zeroes in a segment.
 const HOLE: u64 = 64 << 10;
-
-fn durability(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(args)
-        .output()
-        .unwrap_or_else(|error| panic!("cannot run the durability binary: {error}"))
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
-
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
-}
 
 /// Runs a demo on `dir` until it has been acknowledged `batches` batches
 /// of mails, then kills it with SIGKILL.

@@ -9,10 +9,8 @@ use std::time::SystemTime;
 
 use serde_json::Value;
 
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("not UTF-8: {}", path.display()))
-}
+mod support;
+use support::path_arg;
 
 /// A child process and its stderr, read line by line.
 struct Running {

@@ -8,39 +8,18 @@
 use std::fs::OpenOptions;
 use std::io::Write as _;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
-fn durability(args: &[&str]) -> Output {
-    match Command::new(env!("CARGO_BIN_EXE_durability"))
-        .args(args)
-        .output()
-    {
-        Ok(output) => output,
-        Err(error) => panic!("cannot run the durability binary: {error}"),
-    }
-}
-
-fn show(output: &Output) -> String {
-    format!(
-        "status: {}\nstdout:\n{}\nstderr:\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
+mod support;
+use support::{durability_with as durability, path_arg, show};
 
 fn json_of(output: &Output) -> Value {
     match serde_json::from_slice(&output.stdout) {
         Ok(value) => value,
         Err(error) => panic!("stdout is not one JSON object ({error}):\n{}", show(output)),
     }
-}
-
-fn path_arg(path: &Path) -> &str {
-    path.to_str()
-        .unwrap_or_else(|| panic!("temporary path is not UTF-8: {}", path.display()))
 }
 
 fn field(verdict: &Value, name: &str) -> u64 {
