@@ -9,26 +9,18 @@ mod support;
 use std::io::{BufRead as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use durability_host::archive::{self, ArchiveConfig, ArchiveError};
 use durability_host::{FlushMethod, Host, HostError, ObjectId, Synchronous};
 use rand::Rng as _;
-use support::{Notes, notes};
+use support::{Notes, epoch_ms, notes, runtime};
 
 const OBJECTS: usize = 6;
 /// Objects the child writer creates once the archive has a base.
 const NEW_OBJECTS: usize = 3;
 /// Ships often so a test's run spans many chunks.
 const SHIP_EVERY: Duration = Duration::from_millis(50);
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn url(root: &Path) -> String {
     format!("file://{}", root.display())
@@ -48,16 +40,6 @@ fn archived_host(data: &Path, archive_root: &Path) -> Host {
 
 fn name(i: usize) -> String {
     format!("object-{i}")
-}
-
-fn epoch_ms() -> i64 {
-    i64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis(),
-    )
-    .unwrap()
 }
 
 /// The notes of object `id` in `dir`, read without a host.

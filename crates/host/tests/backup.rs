@@ -9,21 +9,13 @@ mod support;
 use std::io::{BufRead as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use durability_host::backup::{self, BackupError, Manifest, Problem, Restore};
 use durability_host::{Host, HostError, ObjectId};
-use support::{Notes, notes};
+use support::{Notes, epoch_ms, notes, runtime};
 
 const OBJECTS: usize = 12;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
 
 fn threaded_host(dir: &Path) -> Host {
     Host::builder(dir).threads(2).build().unwrap()
@@ -464,16 +456,6 @@ const WRITER_OBJECTS: usize = 8;
 
 fn acks_file(data: &Path) -> PathBuf {
     data.with_file_name("acks.log")
-}
-
-fn epoch_ms() -> i64 {
-    i64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis(),
-    )
-    .unwrap()
 }
 
 /// The child of

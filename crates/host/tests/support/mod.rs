@@ -113,3 +113,24 @@ pub fn inline_host(dir: &std::path::Path) -> Host {
 }
 
 pub type Shared<T> = Rc<RefCell<T>>;
+
+/// A runtime of two worker threads, for a threaded host outside
+/// `#[tokio::test]`.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Milliseconds since the Unix epoch by the system clock.
+pub fn epoch_ms() -> i64 {
+    i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
