@@ -33,7 +33,7 @@ use durability_platform::{Context, StorageError, StorageExt, params};
 use rusqlite::{Connection, OpenFlags};
 
 use super::host_calls::count;
-use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
+use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport, set_up_objects};
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "backup";
@@ -42,9 +42,6 @@ const NAMESPACE: &str = "kept";
 
 /// Rows each object holds before the backup: a few pages of data.
 const ROWS_PER_OBJECT: usize = 20;
-
-/// Objects made live at once while setting up, far below the fd limit.
-const SETUP_CHUNK: usize = 500;
 
 /// The host's live-object cap while it is backed up: 4 descriptors each
 /// fit the usual limit of 20,000 (see [`backups`]).
@@ -245,44 +242,27 @@ async fn set_up(env: &BenchEnv, dir: &Path, objects: usize) -> Result<(), BenchE
         .build()?;
     let ns = host.namespace(NAMESPACE, factory)?;
     let bar = env.progress("set-up/objects", count(objects));
-    let outcome = async {
-        for start in (0..objects).step_by(SETUP_CHUNK) {
-            let end = (start + SETUP_CHUNK).min(objects);
-            let mut calls = tokio::task::JoinSet::new();
-            let mut stubs = Vec::new();
-            for i in start..end {
-                let stub = ns.stub(&format!("kept-{i}"))?;
-                stubs.push(stub.clone());
-                calls.spawn(async move {
-                    stub.call(move |o: std::rc::Rc<Kept>| async move {
-                        o.0.storage()
-                            .transaction_sync(|txn| -> Result<(), StorageError> {
-                                for row in 0..ROWS_PER_OBJECT {
-                                    txn.execute(
-                                        "INSERT INTO kept (value) VALUES (?1)",
-                                        &params![format!("{i:08}-{row:04}-{}", "x".repeat(80))],
-                                    )?;
-                                }
-                                Ok(())
-                            })
+    let outcome = set_up_objects(
+        &host,
+        &ns,
+        objects,
+        &bar,
+        |i| format!("kept-{i}"),
+        |i| {
+            move |o: std::rc::Rc<Kept>| async move {
+                o.0.storage()
+                    .transaction_sync(|txn| -> Result<(), StorageError> {
+                        for row in 0..ROWS_PER_OBJECT {
+                            txn.execute(
+                                "INSERT INTO kept (value) VALUES (?1)",
+                                &params![format!("{i:08}-{row:04}-{}", "x".repeat(80))],
+                            )?;
+                        }
+                        Ok(())
                     })
-                    .await
-                });
             }
-            while let Some(joined) = calls.join_next().await {
-                joined
-                    .map_err(|e| BenchError::Task {
-                        message: e.to_string(),
-                    })??
-                    .map_err(BenchError::from)?;
-                bar.inc(1);
-            }
-            for stub in &stubs {
-                host.evict(stub.id()).await?;
-            }
-        }
-        Ok::<(), BenchError>(())
-    }
+        },
+    )
     .await;
     bar.finish_and_clear();
     host.shutdown().await;

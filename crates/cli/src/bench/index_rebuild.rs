@@ -22,7 +22,7 @@ use durability_platform::{Context, EpochMs};
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 
 use super::host_calls::count;
-use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport};
+use super::{BenchEnv, BenchError, Figure, Latency, Measurement, ScenarioReport, set_up_objects};
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "index-rebuild";
@@ -31,9 +31,6 @@ const NAMESPACE: &str = "sleeper";
 
 /// How far ahead each object's alarm is: it never fires during the run.
 const ALARM_AHEAD_MS: EpochMs = 3_600_000;
-
-/// Objects made live at once while setting up, far below the fd limit.
-const SETUP_CHUNK: usize = 500;
 
 /// Each start is timed this many times; the median is reported.
 const ROUNDS: usize = 3;
@@ -152,35 +149,14 @@ async fn set_up(env: &BenchEnv, dir: &Path, objects: usize) -> Result<(), BenchE
     let ns = host.namespace(NAMESPACE, |ctx| Ok(Sleeper(ctx)))?;
     let bar = env.progress("set-up/objects", count(objects));
     let at_ms = host.now_ms() + ALARM_AHEAD_MS;
-    let outcome = async {
-        for start in (0..objects).step_by(SETUP_CHUNK) {
-            let end = (start + SETUP_CHUNK).min(objects);
-            let mut calls = tokio::task::JoinSet::new();
-            let mut stubs = Vec::new();
-            for i in start..end {
-                let stub = ns.stub(&format!("sleeper-{i}"))?;
-                stubs.push(stub.clone());
-                calls.spawn(async move {
-                    stub.call(move |o: std::rc::Rc<Sleeper>| async move {
-                        o.0.storage().set_alarm(at_ms).await
-                    })
-                    .await
-                });
-            }
-            while let Some(joined) = calls.join_next().await {
-                joined
-                    .map_err(|e| BenchError::Task {
-                        message: e.to_string(),
-                    })??
-                    .map_err(BenchError::from)?;
-                bar.inc(1);
-            }
-            for stub in &stubs {
-                host.evict(stub.id()).await?;
-            }
-        }
-        Ok::<(), BenchError>(())
-    }
+    let outcome = set_up_objects(
+        &host,
+        &ns,
+        objects,
+        &bar,
+        |i| format!("sleeper-{i}"),
+        |_| move |o: std::rc::Rc<Sleeper>| async move { o.0.storage().set_alarm(at_ms).await },
+    )
     .await;
     bar.finish_and_clear();
     host.shutdown().await;

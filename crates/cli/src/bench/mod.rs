@@ -256,6 +256,51 @@ impl BenchEnv {
 /// A progress bar for a phase of `total` operations, in the style of every
 /// bar of the binary (the demo's too). It draws on stderr only when stderr
 /// is a terminal, so piped and test runs stay clean.
+/// Objects a set-up makes at a time: each chunk is evicted once made, so
+/// setting up 10,000 objects never holds 10,000 files open.
+pub(crate) const SETUP_CHUNK: usize = 500;
+
+/// Makes `objects` objects of `ns`, named `name(i)`, [`SETUP_CHUNK`] at a
+/// time: each runs the call `set_up(i)` gives, and each chunk is evicted
+/// once its calls are done. `bar` ticks once per object.
+pub(crate) async fn set_up_objects<T, C, Fut>(
+    host: &durability_host::Host,
+    ns: &durability_host::Namespace<T>,
+    objects: usize,
+    bar: &ProgressBar,
+    name: impl Fn(usize) -> String,
+    set_up: impl Fn(usize) -> C,
+) -> Result<(), BenchError>
+where
+    T: durability_host::DurableObject,
+    C: FnOnce(std::rc::Rc<T>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), durability_platform::StorageError>> + 'static,
+{
+    for start in (0..objects).step_by(SETUP_CHUNK) {
+        let end = (start + SETUP_CHUNK).min(objects);
+        let mut calls = tokio::task::JoinSet::new();
+        let mut stubs = Vec::new();
+        for i in start..end {
+            let stub = ns.stub(&name(i))?;
+            stubs.push(stub.clone());
+            let call = set_up(i);
+            calls.spawn(async move { stub.call(call).await });
+        }
+        while let Some(joined) = calls.join_next().await {
+            joined
+                .map_err(|e| BenchError::Task {
+                    message: e.to_string(),
+                })??
+                .map_err(BenchError::from)?;
+            bar.inc(1);
+        }
+        for stub in &stubs {
+            host.evict(stub.id()).await?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn progress_bar(phase: &str, total: u64) -> ProgressBar {
     let bar = ProgressBar::new(total);
     let style = ProgressStyle::with_template(
