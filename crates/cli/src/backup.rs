@@ -125,8 +125,7 @@ pub enum BackupCommandError {
 
 /// Runs `durability backup` and returns what to print.
 pub fn run_backup(args: &BackupArgs) -> Result<String, BackupCommandError> {
-    let marks = ["objects", "journal", "index.sqlite", "host.lock"];
-    if !marks.iter().any(|mark| args.dir.join(mark).exists()) {
+    if !durability_host::is_data_dir(&args.dir) {
         return Err(BackupCommandError::NotADataDir {
             dir: args.dir.clone(),
         });

@@ -46,7 +46,7 @@ pub enum InspectError {
         source: durability_host::HostError,
     },
     #[error(
-        "{} is not a durability data directory: it holds none of objects/, index.sqlite, host.lock",
+        "{} is not a durability data directory: it holds none of objects/, journal/, index.sqlite, host.lock",
         dir.display()
     )]
     NotADataDir { dir: PathBuf },
@@ -81,7 +81,7 @@ pub fn run(args: &InspectArgs) -> Result<Listing, InspectError> {
         dir: args.dir.clone(),
         source,
     })?;
-    if objects.is_empty() && !is_data_dir(&args.dir) {
+    if objects.is_empty() && !durability_host::is_data_dir(&args.dir) {
         return Err(InspectError::NotADataDir {
             dir: args.dir.clone(),
         });
@@ -124,17 +124,6 @@ pub fn run(args: &InspectArgs) -> Result<Listing, InspectError> {
             total: objects.len(),
         }),
     })
-}
-
-/// Whether `dir` holds what a host leaves in a data directory.
-fn is_data_dir(dir: &std::path::Path) -> bool {
-    [
-        "objects",
-        durability_host::INDEX_FILE,
-        durability_host::DATA_DIR_LOCK_FILE,
-    ]
-    .iter()
-    .any(|name| dir.join(name).exists())
 }
 
 /// What the capabilities of `object` hold, read without constructing it.

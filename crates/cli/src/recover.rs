@@ -54,8 +54,7 @@ pub enum RecoverError {
 
 /// Runs `durability recover` and returns what to print.
 pub fn run(args: &RecoverArgs) -> Result<String, RecoverError> {
-    let marks = ["objects", "journal", "index.sqlite", "host.lock"];
-    if !marks.iter().any(|mark| args.dir.join(mark).exists()) {
+    if !durability_host::is_data_dir(&args.dir) {
         return Err(RecoverError::NotADataDir {
             dir: args.dir.clone(),
         });

@@ -562,6 +562,20 @@ fn check_path_length(data_dir: &Path) -> Result<(), HostError> {
 /// lock on.
 pub const DATA_DIR_LOCK_FILE: &str = "host.lock";
 
+/// Whether `dir` holds anything a host leaves in a data directory (its
+/// objects, its journal, its alarm index or its lock file): what the
+/// commands that take a data directory check before they act on one.
+pub fn is_data_dir(dir: &Path) -> bool {
+    [
+        crate::id::objects_dir(dir),
+        dir.join(journal::JOURNAL_DIR),
+        dir.join(crate::index::INDEX_FILE),
+        dir.join(DATA_DIR_LOCK_FILE),
+    ]
+    .iter()
+    .any(|path| path.exists())
+}
+
 /// Takes the data directory's exclusive lock and writes this process's id
 /// into the lock file, or says who holds it (the id its holder wrote).
 ///

@@ -66,7 +66,7 @@ pub use flush::FlushMethod;
 pub use host::FiredAlarm;
 pub use host::{
     DATA_DIR_LOCK_FILE, DEFAULT_IDLE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, Host, HostBuilder,
-    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, recover_journal,
+    MAX_THREADS, Namespace, SQLITE_MAX_PATH_BYTES, Stub, Synchronous, is_data_dir, recover_journal,
     replay_journal,
 };
 pub use id::MAX_NAME_BYTES;
