@@ -652,8 +652,6 @@ fn finish(dir: &Path, staging: &Path, plans: &[Plan]) -> Result<PathBuf, Journal
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::super::tests::{Write, insert, open_object, pass_bounds, write_segment, zero};
     use super::super::{Journal, SEGMENT_LIMIT};
     use super::*;
@@ -1017,6 +1015,5 @@ mod tests {
         assert_eq!(std::fs::read(dir.path().join(A)).unwrap(), vec![1; 40]);
         assert!(!dir.path().join("../x.sqlite-wal").exists());
         assert!(report.moved_to.is_some_and(|to| to.is_dir()));
-        let _ = Arc::new(());
     }
 }
