@@ -54,7 +54,8 @@ const FAULTS: [Fault; 4] = [
     Fault::Metadata,
     Fault::TornOverwrite,
 ];
-const SEEDS: [u64; 2] = [1, 2];
+/// Three seeds a fault: each fault meets each kind of [`Staged`] file.
+const SEEDS: [u64; 3] = [1, 2, 3];
 /// Seqs the parent's writes in the second life start above the child's
 /// last logged one by this much: the seqs between may have been begun by
 /// the child (the call the kill interrupted, a log line the kill cut
@@ -71,6 +72,9 @@ fn name(seq: u64) -> String {
 /// The paths of one run: the host's files on the mount, the observer's
 /// beside it.
 struct Run {
+    on_mount: PathBuf,
+    /// Outside the mount: what the cut must not touch, and the restores.
+    observer: PathBuf,
     data: PathBuf,
     archive: PathBuf,
     /// `object seq begun_ms acked_ms` per acknowledged note.
@@ -84,6 +88,8 @@ struct Run {
 impl Run {
     fn new(on_mount: &Path, observer: &Path) -> Run {
         Run {
+            on_mount: on_mount.to_path_buf(),
+            observer: observer.to_path_buf(),
             data: on_mount.join("data"),
             archive: on_mount.join("archive"),
             acks: observer.join("acks.log"),
@@ -291,23 +297,37 @@ fn restore_and_judge(
     (held, checked)
 }
 
-/// Whether a file of the archive is being written: a staged
-/// `.NAME.PID.tmp` (a chunk, the manifest) or a `.NAME.partial-*` base.
-fn staging(run: &Run, life: &str) -> bool {
-    let lives = run.archive.join("lives").join(life);
-    [
-        run.archive.clone(),
-        lives.join("passes"),
-        lives.join("bases"),
-    ]
-    .iter()
-    .any(|dir| {
+/// The kind of archive file a kill waits to see half written.
+#[derive(Debug, Clone, Copy)]
+enum Staged {
+    /// A chunk of journal passes (`passes/.NAME.PID.tmp`).
+    Chunk,
+    /// The manifest (`.archive.json.PID.tmp`).
+    Manifest,
+    /// A base being copied (`bases/.NAME.partial-*`).
+    Base,
+}
+
+impl Staged {
+    fn of_seed(seed: u64) -> Staged {
+        [Staged::Chunk, Staged::Manifest, Staged::Base][(seed % 3) as usize]
+    }
+
+    /// Whether such a file of `life` is being written now.
+    fn seen(self, run: &Run, life: &str) -> bool {
+        let lives = run.archive.join("lives").join(life);
+        let (dir, marker) = match self {
+            Staged::Chunk => (lives.join("passes"), ".passes."),
+            Staged::Manifest => (run.archive.clone(), ".archive.json."),
+            Staged::Base => (lives.join("bases"), ".partial-"),
+        };
         std::fs::read_dir(dir).is_ok_and(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .any(|e| e.file_name().to_string_lossy().starts_with('.'))
+            entries.filter_map(Result::ok).any(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with('.') && name.contains(marker)
+            })
         })
-    })
+    }
 }
 
 fn manifest_of(run: &Run) -> Option<ArchiveManifest> {
@@ -316,8 +336,8 @@ fn manifest_of(run: &Run) -> Option<ArchiveManifest> {
 
 /// Runs the writer until its archive has a base, shipped chunks and
 /// `ACKS_BEFORE_KILL` acknowledgements, then kills it, preferably while a
-/// file of the archive is staged. Returns whether one was.
-fn write_then_kill(run: &Run, on_mount: &Path, observer: &Path) -> bool {
+/// file of the `staged` kind is half written. Returns whether one was.
+fn write_then_kill(run: &Run, staged: Staged) -> bool {
     let mut child = std::process::Command::new(std::env::current_exe().expect("the test binary"))
         .args([
             "--exact",
@@ -327,7 +347,7 @@ fn write_then_kill(run: &Run, on_mount: &Path, observer: &Path) -> bool {
         ])
         .env(
             CHILD_ENV,
-            format!("{}\n{}", on_mount.display(), observer.display()),
+            format!("{}\n{}", run.on_mount.display(), run.observer.display()),
         )
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -354,13 +374,13 @@ fn write_then_kill(run: &Run, on_mount: &Path, observer: &Path) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     };
     let window = Instant::now() + KILL_WINDOW;
-    let mut staged = false;
-    while !staged && Instant::now() < window {
-        staged = staging(run, &life);
+    let mut seen = false;
+    while !seen && Instant::now() < window {
+        seen = staged.seen(run, &life);
     }
     child.kill().expect("killing the writer");
     child.wait().expect("reaping the writer");
-    staged
+    seen
 }
 
 /// What one run checked.
@@ -371,16 +391,23 @@ struct Tally {
     notes_checked: usize,
 }
 
-/// One run: write, kill, cut with `fault` and `seed`, judge.
-fn run_one(fs: &PowerCutFs, observer_root: &Path, fault: Fault, seed: u64, tally: &mut Tally) {
-    let label = format!("{fault:?}-{seed}");
-    let on_mount = fs.mountpoint().join(&label);
+/// One run: write, kill, cut with `fault` and `seed`, judge. Returns its
+/// paths.
+fn run_one(
+    fs: &PowerCutFs,
+    observer_root: &Path,
+    fault: Fault,
+    seed: u64,
+    tally: &mut Tally,
+) -> Run {
+    let staged = Staged::of_seed(seed);
+    let label = format!("{fault:?}-{seed}-{staged:?}");
     let observer = observer_root.join(&label);
     std::fs::create_dir(&observer).expect("the observer's directory");
-    let run = Run::new(&on_mount, &observer);
+    let run = Run::new(&fs.mountpoint().join(&label), &observer);
     run.reboot();
 
-    tally.killed_while_staging += usize::from(write_then_kill(&run, &on_mount, &observer));
+    tally.killed_while_staging += usize::from(write_then_kill(&run, staged));
     run.reboot();
     let cut = fs
         .cut(fault, seed)
@@ -402,7 +429,7 @@ fn run_one(fs: &PowerCutFs, observer_root: &Path, fault: Fault, seed: u64, tally
     let (held, checked) = restore_and_judge(
         &format!("{what}, killed life"),
         &run,
-        &observer.join("restored-killed"),
+        &run.observer.join("restored-killed"),
         killed.through_ms,
         &acks,
         &unlogged,
@@ -472,7 +499,7 @@ fn run_one(fs: &PowerCutFs, observer_root: &Path, fault: Fault, seed: u64, tally
     let (_, checked) = restore_and_judge(
         &format!("{what}, both lives"),
         &run,
-        &observer.join("restored-both"),
+        &run.observer.join("restored-both"),
         second.through_ms,
         &both,
         &unlogged,
@@ -486,7 +513,7 @@ fn run_one(fs: &PowerCutFs, observer_root: &Path, fault: Fault, seed: u64, tally
         "{what}: no moment between the lives: {manifest:?}"
     );
     let between = first.through_ms + (new_base - first.through_ms) / 2;
-    let into = observer.join("restored-between");
+    let into = run.observer.join("restored-between");
     match archive::restore_at(&run.archive, &into, between) {
         Err(ArchiveError::InGap { .. }) => {}
         Ok(_) => {
@@ -501,6 +528,7 @@ fn run_one(fs: &PowerCutFs, observer_root: &Path, fault: Fault, seed: u64, tally
         Err(other) => panic!("{what}: between the lives, at {between}: {other:?}"),
     }
     tally.runs += 1;
+    run
 }
 
 /// The negative control: the judge of a restored copy fails it once a
@@ -545,6 +573,61 @@ fn judge_catches_a_damaged_copy(
     );
 }
 
+/// The negative control of the archive's side: a chunk the durable
+/// manifest names, written again as `put` would write it without its
+/// `fsync` (its data unsynced, its name synced), is emptied by a `Drop`
+/// cut, and the restore of the killed life, which the runs require to
+/// succeed, refuses it naming the file. So an archive that skipped a
+/// chunk's fsync would fail this test.
+fn a_chunk_written_without_its_fsync_fails_the_restore(fs: &PowerCutFs, run: &Run) {
+    let manifest = archive::read_manifest(&run.archive).expect("the manifest reads");
+    let killed = &manifest.lives[0];
+    let base = killed
+        .bases
+        .iter()
+        .filter(|b| b.finished_ms <= killed.through_ms)
+        .max_by_key(|b| b.finished_ms)
+        .expect("a base the killed life restores from");
+    let passes = run.archive.join("lives").join(&killed.id).join("passes");
+    let mut chunks: Vec<PathBuf> = std::fs::read_dir(&passes)
+        .expect("the killed life's chunks")
+        .map(|e| e.expect("a directory entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "passes"))
+        .collect();
+    chunks.sort();
+    // The chunk holding where the base began (names are zero-padded
+    // positions, so they sort as positions do): every restore from the
+    // base reads it.
+    let from = base
+        .from
+        .map(|p| format!("{:020}-{:020}.passes", p.seq, p.offset));
+    let chunk = chunks
+        .iter()
+        .rev()
+        .find(|c| {
+            from.as_deref()
+                .is_some_and(|f| c.file_name().is_some_and(|n| n <= f))
+        })
+        .or(chunks.first())
+        .expect("a chunk of the killed life")
+        .clone();
+    let bytes = std::fs::read(&chunk).expect("the chunk reads");
+    std::fs::remove_file(&chunk).expect("the chunk is removed");
+    std::fs::write(&chunk, &bytes).expect("the chunk is written again");
+    std::fs::File::open(&passes)
+        .and_then(|dir| dir.sync_all())
+        .expect("its name is synced");
+    fs.cut(Fault::Drop, 0).expect("the cut");
+    let into = run.observer.join("restored-unsynced");
+    match archive::restore_at(&run.archive, &into, killed.through_ms) {
+        Err(ArchiveError::Damaged { file, .. }) => assert_eq!(file, chunk),
+        other => panic!(
+            "a chunk emptied by the cut was not refused naming {}: {other:?}",
+            chunk.display()
+        ),
+    }
+}
+
 #[test]
 fn a_power_cut_during_archiving_loses_nothing_acknowledged() {
     let started = Instant::now();
@@ -560,13 +643,23 @@ fn a_power_cut_during_archiving_loses_nothing_acknowledged() {
     let fs = PowerCutFs::mount(&backing, &mountpoint)
         .expect("mounting the power-cut filesystem (needs root and /dev/fuse)");
     let mut tally = Tally::default();
+    let mut last = None;
     for fault in FAULTS {
         for seed in SEEDS {
-            run_one(&fs, &observer, fault, seed, &mut tally);
+            last = Some(run_one(&fs, &observer, fault, seed, &mut tally));
         }
     }
+    a_chunk_written_without_its_fsync_fails_the_restore(&fs, &last.expect("at least one run"));
     fs.unmount().expect("unmounting the power-cut filesystem");
     assert_eq!(tally.runs, FAULTS.len() * SEEDS.len());
+    // Most kills must land while an archive file is half written, or the
+    // runs test little more than a kill between two ship cycles.
+    assert!(
+        tally.killed_while_staging * 2 >= tally.runs,
+        "only {} of {} kills met a staged archive file",
+        tally.killed_while_staging,
+        tally.runs
+    );
     println!(
         "{} runs ({} killed while an archive file was staged), {} acknowledged notes checked, in {:.1?}",
         tally.runs,
