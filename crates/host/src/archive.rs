@@ -12,7 +12,12 @@
 //! archive at most one ship interval ([`DEFAULT_SHIP_INTERVAL`]) behind
 //! the disk, where whole segments (256 MiB) could leave hours unshipped.
 //!
-//! Layout of an archive root (`file:///path`):
+//! The store is a local directory (`file:///path`) or S3-compatible
+//! object storage (`s3://bucket/prefix`, see [`ArchiveLocation`]); both
+//! hold the same files. Every file is put whole (see `store`), chunks and
+//! bases before the manifest that names them.
+//!
+//! Layout of an archive root:
 //!
 //! ```text
 //! archive.json                               the manifest: lives, bases, gaps
@@ -43,9 +48,11 @@
 //! without its first frames. A host's start takes the base while it
 //! serves; no such transaction can be under way then.
 
+mod store;
+
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -58,6 +65,8 @@ use sha2::{Digest as _, Sha256};
 
 use crate::backup::{BackupError, Restore};
 use crate::clock::system_now_ms as now_ms;
+pub use store::ArchiveLocation;
+use store::Store;
 
 /// How long an archive keeps what it needs to restore any moment: 7 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -82,12 +91,16 @@ const CHUNK_MAGIC: [u8; 8] = *b"DARCHIV1";
 ///
 /// let config = ArchiveConfig::new("file:///var/backups/durability")?
 ///     .retention(Duration::from_secs(3 * 24 * 3600));
-/// assert_eq!(config.root().to_str(), Some("/var/backups/durability"));
+/// assert_eq!(config.url(), "file:///var/backups/durability");
+///
+/// // Credentials, region and endpoint from the AWS environment variables.
+/// let to_s3 = ArchiveConfig::new("s3://my-bucket/hosts/eu-1")?;
+/// assert_eq!(to_s3.url(), "s3://my-bucket/hosts/eu-1");
 /// # Ok::<_, durability_host::archive::ArchiveError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArchiveConfig {
-    root: PathBuf,
+    location: ArchiveLocation,
     retention: Duration,
     ship_interval: Duration,
     base_interval: Duration,
@@ -95,11 +108,12 @@ pub struct ArchiveConfig {
 
 impl ArchiveConfig {
     /// An archive at `url`: `file:///absolute/path` (a local directory,
-    /// made if missing). `s3://` is not supported by this release.
+    /// made if missing) or `s3://bucket/prefix` (S3-compatible object
+    /// storage; see [`ArchiveLocation::S3`] for the environment it reads).
     pub fn new(url: &str) -> Result<Self, ArchiveError> {
-        let root = parse_url(url)?;
+        let location = ArchiveLocation::parse(url)?;
         Ok(ArchiveConfig {
-            root,
+            location,
             retention: DEFAULT_RETENTION,
             ship_interval: DEFAULT_SHIP_INTERVAL,
             base_interval: DEFAULT_BASE_INTERVAL,
@@ -127,9 +141,14 @@ impl ArchiveConfig {
         self
     }
 
-    /// The archive's root directory.
-    pub fn root(&self) -> &Path {
-        &self.root
+    /// Where the archive lives.
+    pub fn location(&self) -> &ArchiveLocation {
+        &self.location
+    }
+
+    /// The archive's URL.
+    pub fn url(&self) -> String {
+        self.location.url()
     }
 
     /// The setting that breaks a rule, if one does.
@@ -145,30 +164,6 @@ impl ArchiveConfig {
         }
         None
     }
-}
-
-fn parse_url(url: &str) -> Result<PathBuf, ArchiveError> {
-    let invalid = |rule: &'static str| ArchiveError::InvalidUrl {
-        url: url.to_owned(),
-        rule,
-    };
-    if url.starts_with("s3://") {
-        return Err(invalid(
-            "s3:// is not supported by this release; use file:///absolute/path",
-        ));
-    }
-    let path = url
-        .strip_prefix("file://")
-        .ok_or_else(|| invalid("must start with file://"))?;
-    if !path.starts_with('/') {
-        return Err(invalid(
-            "must name an absolute path (file:///dir, three slashes)",
-        ));
-    }
-    if path.split('/').any(|part| part == "..") {
-        return Err(invalid("must not contain `..`"));
-    }
-    Ok(PathBuf::from(path))
 }
 
 /// Why an archive could not be written, read or restored.
@@ -189,6 +184,15 @@ pub enum ArchiveError {
         value: String,
         /// The rule it breaks.
         rule: &'static str,
+    },
+    /// The object store failed or refused a request (after its retries),
+    /// or its client could not be configured.
+    #[error("{url}: {message}")]
+    Store {
+        /// The archive, or the file the request was for.
+        url: String,
+        /// What the store or its client said.
+        message: String,
     },
     /// A file of the archive could not be read or written.
     #[error("{}: {source}", path.display())]
@@ -367,18 +371,45 @@ pub struct Gap {
     pub reason: String,
 }
 
-/// Reads the manifest of the archive at `root`.
-pub fn read_manifest(root: impl AsRef<Path>) -> Result<ArchiveManifest, ArchiveError> {
-    let root = root.as_ref();
-    let path = root.join(ARCHIVE_MANIFEST_FILE);
-    let text = match std::fs::read(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(ArchiveError::NotAnArchive {
-                path: root.to_path_buf(),
-            });
+/// An archive opened for reading: its manifest, a check of every file
+/// ([`Archive::verify`]) and a restore at a moment ([`Archive::restore_at`]).
+/// The free functions [`read_manifest`], [`verify`] and [`restore_at`] do
+/// the same for a local directory.
+pub struct Archive {
+    store: Store,
+}
+
+impl Archive {
+    /// Opens the archive at `location` (nothing is read yet).
+    pub fn open(location: &ArchiveLocation) -> Result<Archive, ArchiveError> {
+        Ok(Archive {
+            store: Store::open(location)?,
+        })
+    }
+
+    /// Opens the archive at `url` (`file:///dir` or `s3://bucket/prefix`).
+    pub fn open_url(url: &str) -> Result<Archive, ArchiveError> {
+        Archive::open(&ArchiveLocation::parse(url)?)
+    }
+
+    fn local(root: &Path) -> Archive {
+        Archive {
+            store: Store::Directory(root.to_path_buf()),
         }
-        Err(e) => return Err(io(&path)(e)),
+    }
+
+    /// Reads the archive's manifest.
+    pub fn manifest(&self) -> Result<ArchiveManifest, ArchiveError> {
+        load_manifest(&self.store)
+    }
+}
+
+fn load_manifest(store: &Store) -> Result<ArchiveManifest, ArchiveError> {
+    let path = store.name(ARCHIVE_MANIFEST_FILE);
+    let Some(text) = store.get(ARCHIVE_MANIFEST_FILE)? else {
+        return Err(ArchiveError::NotAnArchive {
+            path: store.name(""),
+        });
     };
     let manifest: ArchiveManifest =
         serde_json::from_slice(&text).map_err(|e| ArchiveError::BadManifest {
@@ -397,40 +428,14 @@ pub fn read_manifest(root: impl AsRef<Path>) -> Result<ArchiveManifest, ArchiveE
     Ok(manifest)
 }
 
+/// Reads the manifest of the archive in the local directory `root`.
+pub fn read_manifest(root: impl AsRef<Path>) -> Result<ArchiveManifest, ArchiveError> {
+    Archive::local(root.as_ref()).manifest()
+}
+
 /// Whether `path` holds an archive (its manifest).
 pub fn is_archive(path: impl AsRef<Path>) -> bool {
     path.as_ref().join(ARCHIVE_MANIFEST_FILE).is_file()
-}
-
-// ---------------------------------------------------------------------------
-// The store: a local directory.
-
-/// Writes `bytes` at `root/rel` atomically: a temporary name, synced,
-/// renamed, the directory synced.
-fn put(root: &Path, rel: &str, bytes: &[u8]) -> Result<(), ArchiveError> {
-    let path = root.join(rel);
-    let dir = path
-        .parent()
-        .map_or_else(|| root.to_path_buf(), Path::to_path_buf);
-    crate::directory::create_durably(&dir).map_err(io(&dir))?;
-    let staged = dir.join(format!(
-        ".{}.{}.tmp",
-        path.file_name()
-            .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
-        std::process::id()
-    ));
-    let written = File::create(&staged)
-        .and_then(|mut file| {
-            file.write_all(bytes)?;
-            file.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&staged, &path))
-        .and_then(|()| crate::directory::sync(&dir));
-    if let Err(error) = written {
-        let _ = std::fs::remove_file(&staged);
-        return Err(io(&path)(error));
-    }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------
@@ -516,10 +521,13 @@ pub(crate) struct Archiver {
 impl Archiver {
     /// Starts shipping `data_dir` to `config`'s archive. The journal must
     /// report to [`Archiver::shipping`] before any object is opened.
-    pub(crate) fn start(config: ArchiveConfig, data_dir: &Path) -> std::io::Result<Archiver> {
+    pub(crate) fn start(config: ArchiveConfig, data_dir: &Path) -> Result<Archiver, ArchiveError> {
+        let store = Store::open(&config.location)?;
+        let config_url = config.url();
         let shipping = Shipping::new();
         let (tx, rx) = std::sync::mpsc::channel();
         let mut worker = Worker {
+            store,
             config,
             data_dir: data_dir.to_path_buf(),
             shipping: Arc::clone(&shipping),
@@ -534,6 +542,10 @@ impl Archiver {
             .spawn(move || {
                 worker.run();
                 let _ = tx.send(());
+            })
+            .map_err(|e| ArchiveError::Store {
+                url: config_url.clone(),
+                message: format!("cannot start the archive thread: {e}"),
             })?;
         Ok(Archiver {
             shipping,
@@ -581,6 +593,7 @@ impl Drop for Archiver {
 }
 
 struct Worker {
+    store: Store,
     config: ArchiveConfig,
     data_dir: PathBuf,
     shipping: Arc<Shipping>,
@@ -688,9 +701,8 @@ impl Worker {
 
     /// Reads the manifest (or starts one) and adds this life.
     fn load(&mut self) -> Cycle {
-        let root = &self.config.root;
-        crate::directory::create_durably(root).map_err(io(root))?;
-        let mut manifest = match read_manifest(root) {
+        self.store.prepare()?;
+        let mut manifest = match load_manifest(&self.store) {
             Ok(manifest) => manifest,
             Err(ArchiveError::NotAnArchive { .. }) => ArchiveManifest {
                 format: ARCHIVE_FORMAT,
@@ -712,7 +724,7 @@ impl Worker {
         // WAL write carries: a restore starts an object missing from its
         // base from them.
         if let Some(bytes) = crate::storage::new_object_bytes(&self.data_dir) {
-            put(root, &new_object_rel(&self.life), &bytes)?;
+            self.store.put(&new_object_rel(&self.life), bytes)?;
         }
         manifest.lives.push(Life {
             id: self.life.clone(),
@@ -731,10 +743,10 @@ impl Worker {
             return Ok(());
         };
         let text = serde_json::to_vec_pretty(manifest).map_err(|e| ArchiveError::BadManifest {
-            path: self.config.root.join(ARCHIVE_MANIFEST_FILE),
+            path: self.store.name(ARCHIVE_MANIFEST_FILE),
             message: e.to_string(),
         })?;
-        put(&self.config.root, ARCHIVE_MANIFEST_FILE, &text)
+        self.store.put(ARCHIVE_MANIFEST_FILE, text)
     }
 
     /// Ships the synced bytes of segment `seq` that `marks` cover.
@@ -769,7 +781,7 @@ impl Worker {
             },
             &data,
         );
-        put(&self.config.root, &self.chunk_name(seq, start), &chunk)?;
+        self.store.put(&self.chunk_name(seq, start), chunk)?;
         self.chunk_end = Some(Position { seq, offset: end });
         self.shipped(seq, end);
         Ok(())
@@ -800,13 +812,36 @@ impl Worker {
         let from = self.shipping.lock().synced;
         let started_ms = now_ms();
         let rel = format!("lives/{}/bases/{started_ms}", self.life);
-        let dest = self.config.root.join(&rel);
-        let report = crate::backup::backup_files(&self.data_dir, &dest).map_err(|source| {
-            ArchiveError::Base {
-                base: dest.clone(),
+        let failed = |dest: &Path| {
+            let base = dest.to_path_buf();
+            move |source| ArchiveError::Base {
+                base,
                 source: Box::new(source),
             }
-        })?;
+        };
+        let report = match self.store.directory() {
+            // A local archive takes the backup in place: it is written
+            // under a temporary name and renamed whole.
+            Some(root) => {
+                let dest = root.join(&rel);
+                crate::backup::backup_files(&self.data_dir, &dest).map_err(failed(&dest))?
+            }
+            // Object storage: the backup is staged in the temporary
+            // directory (TMPDIR), then put file by file, its manifest
+            // last; the archive's manifest names it only after that.
+            None => {
+                let staging = tempfile::Builder::new()
+                    .prefix("durability-archive-base-")
+                    .tempdir()
+                    .map_err(io(&std::env::temp_dir()))?;
+                let dest = staging.path().join("base");
+                let report =
+                    crate::backup::backup_files(&self.data_dir, &dest).map_err(failed(&dest))?;
+                self.store
+                    .put_tree(&rel, &dest, crate::backup::MANIFEST_FILE)?;
+                report
+            }
+        };
         let finished_ms = report.manifest.finished_ms.max(started_ms);
         self.last_base_ms = Some(finished_ms);
         let life_id = self.life.clone();
@@ -862,7 +897,6 @@ impl Worker {
             .find(|&&ms| ms <= cutoff)
             .copied()
             .unwrap_or(EpochMs::MIN);
-        let root = self.config.root.clone();
         let mut doomed_dirs = Vec::new();
         let mut trims = Vec::new();
         for life in &mut manifest.lives {
@@ -870,7 +904,7 @@ impl Worker {
                 .bases
                 .drain(..)
                 .partition(|b| b.finished_ms >= keep_from);
-            doomed_dirs.extend(drop.into_iter().map(|b| root.join(b.dir)));
+            doomed_dirs.extend(drop.into_iter().map(|b| b.dir));
             life.bases = keep;
             if let Some(first) = life.bases.first() {
                 trims.push((life.id.clone(), first.from));
@@ -880,7 +914,7 @@ impl Worker {
         manifest.lives.retain(|life| {
             let keep = !life.bases.is_empty() || life.id == current;
             if !keep {
-                doomed_dirs.push(root.join("lives").join(&life.id));
+                doomed_dirs.push(format!("lives/{}", life.id));
             }
             keep
         });
@@ -894,14 +928,10 @@ impl Worker {
             .retain(|gap| earliest.is_some_and(|e| gap.to_ms > e));
         self.write_manifest()?;
         for dir in doomed_dirs {
-            if let Err(error) = std::fs::remove_dir_all(&dir)
-                && error.kind() != std::io::ErrorKind::NotFound
-            {
-                return Err(io(&dir)(error));
-            }
+            self.store.delete_tree(&dir)?;
         }
         for (life, from) in trims {
-            trim_chunks(&root, &life, from)?;
+            trim_chunks(&self.store, &life, from)?;
         }
         Ok(())
     }
@@ -922,42 +952,33 @@ fn chunk_rel(life: &str, seq: u64, start: u64) -> String {
 /// Deletes the chunks of `life` that a restore from a base beginning at
 /// `from` does not read: all but the one holding `from`, the one before
 /// it (see [`replay_life`]) and the later ones.
-fn trim_chunks(root: &Path, life: &str, from: Option<Position>) -> Cycle {
+fn trim_chunks(store: &Store, life: &str, from: Option<Position>) -> Cycle {
     let Some(from) = from else {
         return Ok(());
     };
-    let chunks = list_chunks(root, life)?;
+    let chunks = list_chunks(store, life)?;
     for three in chunks.windows(3) {
-        if let [(_, path), _, (after_next, _)] = three
+        if let [(_, rel), _, (after_next, _)] = three
             && *after_next <= from
         {
-            std::fs::remove_file(path).map_err(io(path))?;
+            store.delete(rel)?;
         }
     }
     Ok(())
 }
 
-/// The chunk files of `life`, by position.
-fn list_chunks(root: &Path, life: &str) -> Result<Vec<(Position, PathBuf)>, ArchiveError> {
-    let dir = root.join("lives").join(life).join("passes");
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io(&dir)(e)),
-    };
+/// The chunk files of `life` (their names relative to the archive root),
+/// by position.
+fn list_chunks(store: &Store, life: &str) -> Result<Vec<(Position, String)>, ArchiveError> {
+    let dir = format!("lives/{life}/passes");
     let mut chunks = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(io(&dir))?;
-        let name = entry.file_name();
-        let Some((seq, start)) = name
-            .to_str()
-            .and_then(|n| n.strip_suffix(".passes"))
-            .and_then(|n| n.split_once('-'))
+    for name in store.list(&dir)? {
+        let Some((seq, start)) = name.strip_suffix(".passes").and_then(|n| n.split_once('-'))
         else {
             continue;
         };
         if let (Ok(seq), Ok(offset)) = (seq.parse(), start.parse()) {
-            chunks.push((Position { seq, offset }, entry.path()));
+            chunks.push((Position { seq, offset }, format!("{dir}/{name}")));
         }
     }
     chunks.sort();
@@ -1093,68 +1114,123 @@ pub struct PointInTimeReport {
     pub elapsed: Duration,
 }
 
-/// Restores the archive at `root` into `data_dir` (which must not exist or
-/// be empty, as for [`crate::backup::restore`]) as it stood at `at_ms`:
-/// every transaction whose journal pass was synced at or before it, and no
-/// later one.
-///
-/// Refuses a moment before the oldest base ([`ArchiveError::BeforeReach`]),
-/// after the last shipped pass ([`ArchiveError::AfterReach`]), inside a
-/// recorded gap ([`ArchiveError::InGap`]), and a chunk that is truncated,
-/// corrupted or missing ([`ArchiveError::Damaged`], naming the file);
-/// nothing is left in `data_dir` then.
+/// Restores the archive in the local directory `root` into `data_dir`:
+/// [`Archive::restore_at`].
 pub fn restore_at(
     root: impl AsRef<Path>,
     data_dir: impl AsRef<Path>,
     at_ms: EpochMs,
 ) -> Result<PointInTimeReport, ArchiveError> {
-    let started = std::time::Instant::now();
-    let root = root.as_ref();
-    let data_dir = data_dir.as_ref();
-    let manifest = read_manifest(root)?;
-    if let Some(gap) = manifest
-        .gaps
-        .iter()
-        .find(|g| g.from_ms < at_ms && at_ms < g.to_ms)
-    {
-        return Err(ArchiveError::InGap {
-            at_ms,
-            from_ms: gap.from_ms,
-            to_ms: gap.to_ms,
-            reason: gap.reason.clone(),
-        });
+    Archive::local(root.as_ref()).restore_at(data_dir, at_ms)
+}
+
+/// Checks every file of the archive in the local directory `root`:
+/// [`Archive::verify`].
+pub fn verify(root: impl AsRef<Path>) -> Result<ArchiveVerifyReport, ArchiveError> {
+    Archive::local(root.as_ref()).verify()
+}
+
+/// What a verification of an archive checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArchiveVerifyReport {
+    /// Lives of a host in the archive.
+    pub lives: u64,
+    /// Bases verified (each as [`crate::backup::verify`] does).
+    pub bases: u64,
+    /// Object copies in those bases.
+    pub objects: u64,
+    /// Chunk files read and checked.
+    pub chunks: u64,
+    /// Bytes of journal passes in those chunks.
+    pub bytes: u64,
+}
+
+/// A base where the restore or the check can read it: the archive's own
+/// directory, or a local copy of one in object storage (removed on drop).
+struct LocalBase {
+    dir: PathBuf,
+    _staging: Option<tempfile::TempDir>,
+}
+
+impl Archive {
+    fn local_base(&self, base: &Base) -> Result<LocalBase, ArchiveError> {
+        if let Some(root) = self.store.directory() {
+            return Ok(LocalBase {
+                dir: root.join(&base.dir),
+                _staging: None,
+            });
+        }
+        let staging = tempfile::Builder::new()
+            .prefix("durability-archive-base-")
+            .tempdir()
+            .map_err(io(&std::env::temp_dir()))?;
+        let dir = staging.path().join("base");
+        self.store.get_tree(&base.dir, &dir)?;
+        Ok(LocalBase {
+            dir,
+            _staging: Some(staging),
+        })
     }
-    let chosen = manifest
-        .lives
-        .iter()
-        .flat_map(|life| life.bases.iter().map(move |base| (life, base)))
-        .filter(|(_, base)| base.finished_ms <= at_ms)
-        .max_by_key(|(_, base)| base.finished_ms);
-    let Some((life, base)) = chosen else {
-        return Err(ArchiveError::BeforeReach {
-            at_ms,
-            earliest_ms: manifest
-                .lives
-                .iter()
-                .flat_map(|l| l.bases.iter().map(|b| b.finished_ms))
-                .min(),
-        });
-    };
-    if at_ms > life.through_ms {
-        return Err(ArchiveError::AfterReach {
-            at_ms,
-            through_ms: life.through_ms,
-        });
-    }
-    let base_dir = root.join(&base.dir);
-    let mut counts = (0u64, 0u64, 0u64);
-    let mut failure: Option<ArchiveError> = None;
-    let restored =
-        crate::backup::restore_then(
-            &base_dir,
-            data_dir,
-            &Restore::all(),
-            |into| match replay_life(root, life, base.from, at_ms, into) {
+
+    /// Restores the archive into `data_dir` (which must not exist or be
+    /// empty, as for [`crate::backup::restore`]) as it stood at `at_ms`:
+    /// every transaction whose journal pass was synced at or before it,
+    /// and no later one.
+    ///
+    /// Refuses a moment before the oldest base
+    /// ([`ArchiveError::BeforeReach`]), after the last shipped pass
+    /// ([`ArchiveError::AfterReach`]), inside a recorded gap
+    /// ([`ArchiveError::InGap`]), and a chunk that is truncated, corrupted
+    /// or missing ([`ArchiveError::Damaged`], naming the file); nothing is
+    /// left in `data_dir` then. A base in object storage is first copied
+    /// to the temporary directory (TMPDIR).
+    pub fn restore_at(
+        &self,
+        data_dir: impl AsRef<Path>,
+        at_ms: EpochMs,
+    ) -> Result<PointInTimeReport, ArchiveError> {
+        let started = std::time::Instant::now();
+        let data_dir = data_dir.as_ref();
+        let manifest = self.manifest()?;
+        if let Some(gap) = manifest
+            .gaps
+            .iter()
+            .find(|g| g.from_ms < at_ms && at_ms < g.to_ms)
+        {
+            return Err(ArchiveError::InGap {
+                at_ms,
+                from_ms: gap.from_ms,
+                to_ms: gap.to_ms,
+                reason: gap.reason.clone(),
+            });
+        }
+        let chosen = manifest
+            .lives
+            .iter()
+            .flat_map(|life| life.bases.iter().map(move |base| (life, base)))
+            .filter(|(_, base)| base.finished_ms <= at_ms)
+            .max_by_key(|(_, base)| base.finished_ms);
+        let Some((life, base)) = chosen else {
+            return Err(ArchiveError::BeforeReach {
+                at_ms,
+                earliest_ms: manifest
+                    .lives
+                    .iter()
+                    .flat_map(|l| l.bases.iter().map(|b| b.finished_ms))
+                    .min(),
+            });
+        };
+        if at_ms > life.through_ms {
+            return Err(ArchiveError::AfterReach {
+                at_ms,
+                through_ms: life.through_ms,
+            });
+        }
+        let local = self.local_base(base)?;
+        let mut counts = (0u64, 0u64, 0u64);
+        let mut failure: Option<ArchiveError> = None;
+        let restored = crate::backup::restore_then(&local.dir, data_dir, &Restore::all(), |into| {
+            match replay_life(&self.store, life, base.from, at_ms, into) {
                 Ok(done) => {
                     counts = done;
                     Ok(())
@@ -1163,44 +1239,161 @@ pub fn restore_at(
                     failure = Some(error);
                     Err(BackupError::Aborted)
                 }
-            },
-        );
-    let report = match (restored, failure) {
-        (_, Some(error)) => return Err(error),
-        (Err(source), None) => {
-            return Err(ArchiveError::Base {
-                base: base_dir,
-                source: Box::new(source),
-            });
+            }
+        });
+        let report = match (restored, failure) {
+            (_, Some(error)) => return Err(error),
+            (Err(source), None) => {
+                return Err(ArchiveError::Base {
+                    base: self.store.name(&base.dir),
+                    source: Box::new(source),
+                });
+            }
+            (Ok(report), None) => report,
+        };
+        let objects = crate::index::object_files(data_dir)
+            .map(|files| files.len() as u64)
+            .unwrap_or(report.objects);
+        Ok(PointInTimeReport {
+            data_dir: data_dir.to_path_buf(),
+            at_ms,
+            base: self.store.name(&base.dir),
+            objects,
+            passes: counts.0,
+            transactions: counts.1,
+            chunks: counts.2,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    /// Checks every file the archive's manifest relies on: each base as
+    /// [`crate::backup::verify`] does (sizes, SHA-256 sums, `PRAGMA
+    /// integrity_check`), and each chunk's checksum, header and journal
+    /// passes, that the chunks of a life follow one another without a
+    /// hole from what its oldest base needs to where the manifest says
+    /// they reach. Refuses the first bad file with a typed error naming
+    /// it ([`ArchiveError::Damaged`], [`ArchiveError::Base`]).
+    pub fn verify(&self) -> Result<ArchiveVerifyReport, ArchiveError> {
+        let manifest = self.manifest()?;
+        let mut report = ArchiveVerifyReport {
+            lives: manifest.lives.len() as u64,
+            bases: 0,
+            objects: 0,
+            chunks: 0,
+            bytes: 0,
+        };
+        for life in &manifest.lives {
+            for base in &life.bases {
+                let local = self.local_base(base)?;
+                let checked =
+                    crate::backup::verify(&local.dir).map_err(|source| ArchiveError::Base {
+                        base: self.store.name(&base.dir),
+                        source: Box::new(source),
+                    })?;
+                report.bases += 1;
+                report.objects += checked.objects;
+            }
+            let chunks = list_chunks(&self.store, &life.id)?;
+            let needed_from = life.bases.first().and_then(|b| b.from);
+            let mut prev_end: Option<Position> = None;
+            for (key, rel) in &chunks {
+                let (header, data) = read_chunk(&self.store, life, *key, rel, prev_end)?;
+                if prev_end.is_none()
+                    && !life.bases.is_empty()
+                    && needed_from.is_none_or(|from| *key > from)
+                    && header.prev.is_some()
+                {
+                    return Err(ArchiveError::Damaged {
+                        file: self.store.name(rel),
+                        rule: "the chunks before it, which its oldest base needs, are missing"
+                            .into(),
+                    });
+                }
+                if let Err(at) = crate::journal::archived_passes(&data, header.nonce, |_| true) {
+                    return Err(ArchiveError::Damaged {
+                        file: self.store.name(rel),
+                        rule: format!("no whole journal pass at byte {at} of its data"),
+                    });
+                }
+                report.chunks += 1;
+                report.bytes += data.len() as u64;
+                prev_end = Some(Position {
+                    seq: header.seq,
+                    offset: header.end,
+                });
+            }
+            if let Some(shipped) = life.shipped
+                && prev_end.is_none_or(|end| end < shipped)
+            {
+                return Err(missing_after(&self.store, life, prev_end, shipped));
+            }
         }
-        (Ok(report), None) => report,
-    };
-    let objects = crate::index::object_files(data_dir)
-        .map(|files| files.len() as u64)
-        .unwrap_or(report.objects);
-    Ok(PointInTimeReport {
-        data_dir: data_dir.to_path_buf(),
-        at_ms,
-        base: base_dir,
-        objects,
-        passes: counts.0,
-        transactions: counts.1,
-        chunks: counts.2,
-        elapsed: started.elapsed(),
-    })
+        Ok(report)
+    }
+}
+
+/// Reads chunk `rel` of `life` at `key` and checks it: checksum, header,
+/// the name it is stored under, and that it follows the chunk that ended
+/// at `prev_end`.
+fn read_chunk(
+    store: &Store,
+    life: &Life,
+    key: Position,
+    rel: &str,
+    prev_end: Option<Position>,
+) -> Result<(ChunkHeader, Vec<u8>), ArchiveError> {
+    let file = store.name(rel);
+    let bytes = store.get(rel)?.ok_or_else(|| ArchiveError::Damaged {
+        file: file.clone(),
+        rule: "listed, then missing when read".into(),
+    })?;
+    let (header, data) = decode_chunk(&file, &bytes)?;
+    if header.seq != key.seq || header.start != key.offset {
+        return Err(ArchiveError::Damaged {
+            file,
+            rule: "its header names another place than its file name".into(),
+        });
+    }
+    if let Some(prev) = prev_end
+        && header.prev != Some(prev)
+    {
+        return Err(ArchiveError::Damaged {
+            file: store.name(&chunk_rel(&life.id, prev.seq, prev.offset)),
+            rule: "missing: the chunk after it does not follow the one before".into(),
+        });
+    }
+    Ok((header, data))
+}
+
+/// The refusal of a life whose chunks end at `end`, before `shipped`
+/// where its manifest says they reach.
+fn missing_after(
+    store: &Store,
+    life: &Life,
+    end: Option<Position>,
+    shipped: Position,
+) -> ArchiveError {
+    let next = end.unwrap_or(Position { seq: 0, offset: 0 });
+    ArchiveError::Damaged {
+        file: store.name(&chunk_rel(&life.id, next.seq, next.offset)),
+        rule: format!(
+            "missing: the manifest says chunks reach segment {} byte {}",
+            shipped.seq, shipped.offset
+        ),
+    }
 }
 
 /// Replays the chunks of `life` from `from` into the object files under
 /// `into`, up to the last pass synced at or before `at_ms`. Returns
 /// (passes, transactions, chunks).
 fn replay_life(
-    root: &Path,
+    store: &Store,
     life: &Life,
     from: Option<Position>,
     at_ms: EpochMs,
     into: &Path,
 ) -> Result<(u64, u64, u64), ArchiveError> {
-    let chunks = list_chunks(root, &life.id)?;
+    let chunks = list_chunks(store, &life.id)?;
     // The chunk before the one holding `from` (or the first): a commit
     // whose frames were being written when the base began has its first
     // frames there (a commit's frames are written in one go, well within
@@ -1213,36 +1406,17 @@ fn replay_life(
             .rposition(|(key, _)| *key <= from)
             .map_or(0, |n| n.saturating_sub(1)),
     };
-    let template = match std::fs::read(root.join(new_object_rel(&life.id))) {
-        Ok(bytes) => Some(bytes),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(io(&root.join(new_object_rel(&life.id)))(e)),
-    };
+    let template = store.get(&new_object_rel(&life.id))?;
     let mut pages = Pages::new(into, template);
     let (mut passes, mut chunks_read) = (0u64, 0u64);
     let mut prev_end: Option<Position> = None;
     let mut reached = false;
-    for (key, path) in chunks.iter().skip(first) {
-        let bytes = std::fs::read(path).map_err(io(path))?;
-        let (header, data) = decode_chunk(path, &bytes)?;
-        if header.seq != key.seq || header.start != key.offset {
-            return Err(ArchiveError::Damaged {
-                file: path.clone(),
-                rule: "its header names another place than its file name".into(),
-            });
-        }
-        if let Some(prev) = prev_end
-            && header.prev != Some(prev)
-        {
-            let expected = root.join(chunk_rel(&life.id, prev.seq, prev.offset));
-            return Err(ArchiveError::Damaged {
-                file: expected,
-                rule: "missing: the chunk after it does not follow the one before".into(),
-            });
-        }
+    for (key, rel) in chunks.iter().skip(first) {
+        let (header, data) = read_chunk(store, life, *key, rel, prev_end)?;
+        let path = store.name(rel);
         if prev_end.is_none() && first == 0 && from.is_some_and(|f| *key > f) {
             return Err(ArchiveError::Damaged {
-                file: path.clone(),
+                file: path,
                 rule: "the chunks before it, which its base needs, are missing".into(),
             });
         }
@@ -1251,24 +1425,17 @@ fn replay_life(
             seq: header.seq,
             offset: header.end,
         });
-        let stop = pages.replay_chunk(path, &header, &data, at_ms, &mut passes)?;
+        let stop = pages.replay_chunk(&path, &header, &data, at_ms, &mut passes)?;
         if stop {
             reached = true;
             break;
         }
     }
     if !reached
-        && let (Some(shipped), end) = (life.shipped, prev_end)
-        && end.is_none_or(|e| e < shipped)
+        && let Some(shipped) = life.shipped
+        && prev_end.is_none_or(|e| e < shipped)
     {
-        let next = end.map_or(Position { seq: 0, offset: 0 }, |e| e);
-        return Err(ArchiveError::Damaged {
-            file: root.join(chunk_rel(&life.id, next.seq, next.offset)),
-            rule: format!(
-                "missing: the manifest says chunks reach segment {} byte {}",
-                shipped.seq, shipped.offset
-            ),
-        });
+        return Err(missing_after(store, life, prev_end, shipped));
     }
     let transactions = pages.transactions;
     pages.finish()?;
@@ -1628,9 +1795,10 @@ mod tests {
     }
 
     #[test]
-    fn urls_other_than_absolute_file_urls_are_refused() {
+    fn urls_other_than_absolute_file_urls_and_s3_buckets_are_refused() {
         assert!(ArchiveConfig::new("file:///a/b").is_ok());
-        for bad in ["/a/b", "file://a/b", "s3://bucket/prefix", "file:///a/../b"] {
+        assert!(ArchiveConfig::new("s3://bucket/prefix").is_ok());
+        for bad in ["/a/b", "file://a/b", "s3://Bucket/prefix", "file:///a/../b"] {
             assert!(
                 matches!(
                     ArchiveConfig::new(bad),

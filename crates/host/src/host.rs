@@ -451,8 +451,8 @@ impl HostBuilder {
             (Some(config), Some(Flush::Journal(journal))) => {
                 let archiver =
                     Archiver::start(config.clone(), &self.data_dir).map_err(|e| HostError::Io {
-                        path: config.root().to_path_buf(),
-                        message: format!("cannot start the archive thread: {e}"),
+                        path: PathBuf::from(config.url()),
+                        message: format!("cannot start the archive: {e}"),
                     })?;
                 journal.ship_to(archiver.shipping());
                 Some(archiver)

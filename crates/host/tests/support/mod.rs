@@ -3,6 +3,8 @@
 
 #![allow(dead_code)] // each test binary uses a different part of the support module
 
+pub mod s3;
+
 use std::cell::RefCell;
 use std::future::Future;
 use std::rc::Rc;
