@@ -1,9 +1,11 @@
-//! `durability backup DATA_DIR DEST`, `durability verify BACKUP` and
-//! `durability restore BACKUP_OR_ARCHIVE DATA_DIR [--at TIME] [--object ID]...`: the commands of
-//! `durability_host::backup`, which does the work (a consistent copy of
-//! every object with SQLite's online backup API while a host may serve the
-//! directory, a manifest with a SHA-256 per copy, complete-or-absent
-//! directories). This module only checks the arguments and words the
+//! `durability backup DATA_DIR DEST`, `durability verify BACKUP_OR_ARCHIVE`
+//! and `durability restore BACKUP_OR_ARCHIVE DATA_DIR [--at TIME]
+//! [--object ID]...`: the commands of `durability_host::backup` (a
+//! consistent copy of every object with SQLite's online backup API while
+//! a host may serve the directory, a manifest with a SHA-256 per copy,
+//! complete-or-absent directories) and of `durability_host::archive` (a
+//! host's continuous archive, in a directory or at an `s3://` URL). Those
+//! do the work; this module only checks the arguments and words the
 //! reports.
 //!
 //! Exit codes: 0 when the backup was written, verified or restored;
@@ -11,9 +13,9 @@
 //! every bad object and why, `restore` names the holder of a data
 //! directory a host serves.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use durability_host::archive::{self, ArchiveError};
+use durability_host::archive::{self, Archive, ArchiveError};
 use durability_host::backup::{self, BackupError, Restore};
 use serde_json::json;
 
@@ -36,10 +38,14 @@ pub struct BackupArgs {
 /// Arguments of `durability verify`.
 #[derive(Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// The backup to check (a directory `durability backup` wrote).
-    #[arg(value_name = "BACKUP")]
+    /// The backup to check (a directory `durability backup` wrote), or an
+    /// archive: a directory holding `archive.json`, `file:///DIR` or
+    /// `s3://bucket/prefix` (credentials and endpoint from the AWS
+    /// environment variables).
+    #[arg(value_name = "BACKUP_OR_ARCHIVE")]
     backup: PathBuf,
-    /// Print one JSON object: `objects`, `bytes`, `manifest`.
+    /// Print one JSON object: `objects`, `bytes`, `manifest` (of an
+    /// archive: `lives`, `bases`, `objects`, `chunks`, `bytes`).
     #[arg(long)]
     json: bool,
 }
@@ -48,8 +54,10 @@ pub struct VerifyArgs {
 #[derive(Debug, clap::Args)]
 pub struct RestoreArgs {
     /// The backup to restore from (verified before anything is written),
-    /// or an archive (a directory holding `archive.json`, as
-    /// `demo --archive file:///DIR` writes) to restore at a moment.
+    /// or an archive to restore at a moment: a directory holding
+    /// `archive.json` (as `demo --archive file:///DIR` writes),
+    /// `file:///DIR` or `s3://bucket/prefix` (credentials and endpoint
+    /// from the AWS environment variables).
     #[arg(value_name = "BACKUP_OR_ARCHIVE")]
     backup: PathBuf,
     /// The data directory to write: it must not exist or be empty, and no
@@ -107,6 +115,12 @@ pub enum BackupCommandError {
     AtNeedsArchive { backup: PathBuf },
     #[error("--object is not supported with an archive ({}): restore it whole", archive.display())]
     ObjectWithArchive { archive: PathBuf },
+    #[error("the archive {} did not verify", archive.display())]
+    VerifyArchive {
+        archive: PathBuf,
+        #[source]
+        source: Box<ArchiveError>,
+    },
     #[error("cannot restore the archive {} into {}", archive.display(), dir.display())]
     Archive {
         archive: PathBuf,
@@ -156,8 +170,27 @@ pub fn run_backup(args: &BackupArgs) -> Result<String, BackupCommandError> {
     ))
 }
 
+/// The archive `arg` names, if it names one: an `s3://` or `file://` URL,
+/// or a directory holding an archive's manifest.
+fn archive_of(arg: &Path) -> Option<Result<Archive, ArchiveError>> {
+    let text = arg.to_str().unwrap_or_default();
+    if text.starts_with("s3://") || text.starts_with("file://") {
+        return Some(Archive::open_url(text));
+    }
+    archive::is_archive(arg).then(|| {
+        let absolute = std::path::absolute(arg).map_err(|source| ArchiveError::Io {
+            path: arg.to_path_buf(),
+            source,
+        })?;
+        Archive::open(&archive::ArchiveLocation::Directory(absolute))
+    })
+}
+
 /// Runs `durability verify` and returns what to print.
 pub fn run_verify(args: &VerifyArgs) -> Result<String, BackupCommandError> {
+    if let Some(opened) = archive_of(&args.backup) {
+        return run_verify_archive(args, opened);
+    }
     let report = backup::verify(&args.backup).map_err(|source| BackupCommandError::Verify {
         backup: args.backup.clone(),
         source: Box::new(source),
@@ -179,10 +212,42 @@ pub fn run_verify(args: &VerifyArgs) -> Result<String, BackupCommandError> {
     ))
 }
 
+/// `durability verify ARCHIVE`.
+fn run_verify_archive(
+    args: &VerifyArgs,
+    opened: Result<Archive, ArchiveError>,
+) -> Result<String, BackupCommandError> {
+    let report = opened
+        .and_then(|archive| archive.verify())
+        .map_err(|source| BackupCommandError::VerifyArchive {
+            archive: args.backup.clone(),
+            source: Box::new(source),
+        })?;
+    if args.json {
+        return Ok(json!({
+            "lives": report.lives,
+            "bases": report.bases,
+            "objects": report.objects,
+            "chunks": report.chunks,
+            "bytes": report.bytes,
+        })
+        .to_string());
+    }
+    Ok(format!(
+        "{}: {} bases ({} objects) match their SHA-256 and pass PRAGMA integrity_check; {} chunks ({}) of {} lives match their SHA-256 and follow one another",
+        args.backup.display(),
+        report.bases,
+        report.objects,
+        report.chunks,
+        human_bytes(report.bytes),
+        report.lives
+    ))
+}
+
 /// Runs `durability restore` and returns what to print.
 pub fn run_restore(args: &RestoreArgs) -> Result<String, BackupCommandError> {
-    if archive::is_archive(&args.backup) {
-        return run_restore_at(args);
+    if let Some(opened) = archive_of(&args.backup) {
+        return run_restore_at(args, opened);
     }
     if args.at.is_some() {
         return Err(BackupCommandError::AtNeedsArchive {
@@ -231,7 +296,10 @@ fn human_bytes(bytes: u64) -> String {
 }
 
 /// `durability restore ARCHIVE DATA_DIR [--at TIME]`.
-fn run_restore_at(args: &RestoreArgs) -> Result<String, BackupCommandError> {
+fn run_restore_at(
+    args: &RestoreArgs,
+    opened: Result<Archive, ArchiveError>,
+) -> Result<String, BackupCommandError> {
     if !args.objects.is_empty() {
         return Err(BackupCommandError::ObjectWithArchive {
             archive: args.backup.clone(),
@@ -243,11 +311,21 @@ fn run_restore_at(args: &RestoreArgs) -> Result<String, BackupCommandError> {
         source: Box::new(source),
     };
     let at_ms = match &args.at {
-        Some(value) => archive::parse_time(value).map_err(|source| BackupCommandError::BadAt {
-            value: value.clone(),
-            source,
-        })?,
-        None => archive::read_manifest(&args.backup)
+        Some(value) => {
+            Some(
+                archive::parse_time(value).map_err(|source| BackupCommandError::BadAt {
+                    value: value.clone(),
+                    source,
+                })?,
+            )
+        }
+        None => None,
+    };
+    let archive = opened.map_err(failed)?;
+    let at_ms = match at_ms {
+        Some(at_ms) => at_ms,
+        None => archive
+            .manifest()
             .map_err(failed)?
             .lives
             .iter()
@@ -256,7 +334,7 @@ fn run_restore_at(args: &RestoreArgs) -> Result<String, BackupCommandError> {
             .max()
             .unwrap_or(0),
     };
-    let report = archive::restore_at(&args.backup, &args.dir, at_ms).map_err(failed)?;
+    let report = archive.restore_at(&args.dir, at_ms).map_err(failed)?;
     let seconds = report.elapsed.as_secs_f64();
     if args.json {
         return Ok(json!({

@@ -8,6 +8,7 @@ use durability_host::archive;
 use durability_host::inspect;
 
 mod support;
+use support::s3::{S3Server, aws_env};
 use support::{durability, run, show};
 
 /// Every user table of every object of `dir` with its row count.
@@ -65,6 +66,14 @@ fn a_demo_archived_to_a_directory_restores_at_its_end_and_at_a_moment_within_it(
         &url,
     ]));
     assert!(demo.status.success(), "{}", show(&demo));
+
+    // verify takes the directory or its file:// URL.
+    for named in [archive_root.display().to_string(), url.clone()] {
+        let verified = run(durability().args(["verify", &named, "--json"]));
+        assert!(verified.status.success(), "{}", show(&verified));
+        let report: serde_json::Value = serde_json::from_slice(&verified.stdout).unwrap();
+        assert!(report["chunks"].as_u64().unwrap() >= 1, "{report}");
+    }
 
     // Without --at: the last moment the archive holds, which for a demo
     // that stopped cleanly is everything it wrote.
@@ -153,11 +162,97 @@ fn restore_refuses_a_bad_time_naming_the_flag_and_at_without_an_archive() {
     let refused = run(durability()
         .args(["demo", "--data-dir"])
         .arg(root.path().join("d"))
-        .args(["--archive", "s3://bucket/prefix"]));
+        .args(["--archive", "gs://bucket/prefix"]));
     assert!(!refused.status.success());
     assert!(
         String::from_utf8_lossy(&refused.stderr).contains("--archive"),
         "{}",
         show(&refused)
     );
+}
+
+#[test]
+fn a_demo_archived_to_s3_verifies_and_restores_at_its_end_and_at_a_moment_within_it() {
+    let server = S3Server::start();
+    server.create_bucket("demo-archive");
+    let env = aws_env(server.port());
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let url = "s3://demo-archive/hosts/demo";
+    let demo = run(durability()
+        .envs(env.iter().cloned())
+        .args(["demo", "--data-dir"])
+        .arg(&data)
+        .args([
+            "--messages",
+            "2000",
+            "--shards",
+            "4",
+            "--json",
+            "--archive",
+            url,
+        ]));
+    assert!(demo.status.success(), "{}", show(&demo));
+
+    let verified = run(durability()
+        .envs(env.iter().cloned())
+        .args(["verify", url, "--json"]));
+    assert!(verified.status.success(), "{}", show(&verified));
+    let report: serde_json::Value = serde_json::from_slice(&verified.stdout).unwrap();
+    assert!(report["bases"].as_u64().unwrap() >= 1, "{report}");
+    assert!(report["chunks"].as_u64().unwrap() >= 1, "{report}");
+
+    let end = root.path().join("restored-end");
+    let restored = run(durability()
+        .envs(env.iter().cloned())
+        .args(["restore", url])
+        .arg(&end)
+        .arg("--json"));
+    assert!(restored.status.success(), "{}", show(&restored));
+    assert_eq!(contents(&end), contents(&data));
+
+    // The manifest as the store holds it.
+    let text = server.get("demo-archive", "hosts/demo/archive.json");
+    let manifest_json: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let life = &manifest_json["lives"][0];
+    let middle = (life["bases"][0]["finished_ms"].as_i64().unwrap()
+        + life["through_ms"].as_i64().unwrap())
+        / 2;
+    let within = root.path().join("restored-middle");
+    let restored = run(durability()
+        .envs(env.iter().cloned())
+        .args(["restore", url])
+        .arg(&within)
+        .args(["--at", &middle.to_string()]));
+    assert!(restored.status.success(), "{}", show(&restored));
+    assert!(!contents(&within).is_empty());
+
+    // A corrupted chunk: verify and restore both refuse it by its URL.
+    let chunk = server
+        .keys("demo-archive", "hosts/demo/lives/")
+        .into_iter()
+        .rfind(|key| key.ends_with(".passes"))
+        .unwrap();
+    let mut bytes = server.get("demo-archive", &chunk);
+    let at = bytes.len() / 2;
+    bytes[at] ^= 1;
+    server.put("demo-archive", &chunk, &bytes);
+    let named = format!("s3://demo-archive/{chunk}");
+    for command in [
+        vec!["verify".to_owned(), url.to_owned()],
+        vec![
+            "restore".to_owned(),
+            url.to_owned(),
+            root.path().join("refused").display().to_string(),
+        ],
+    ] {
+        let refused = run(durability().envs(env.iter().cloned()).args(&command));
+        assert!(!refused.status.success(), "{}", show(&refused));
+        assert!(
+            String::from_utf8_lossy(&refused.stderr).contains(&named),
+            "{command:?} names {named}: {}",
+            show(&refused)
+        );
+    }
+    assert!(!root.path().join("refused").exists());
 }

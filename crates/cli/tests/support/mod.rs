@@ -6,6 +6,11 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// A real S3 server (moto's) for the archive's tests: the host's tests
+/// own the file.
+#[path = "../../../host/tests/support/s3.rs"]
+pub mod s3;
+
 /// The built `durability` binary, ready for arguments.
 pub fn durability() -> Command {
     Command::new(env!("CARGO_BIN_EXE_durability"))

@@ -91,6 +91,11 @@ impl S3Server {
         server
     }
 
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The server's pid.
     pub fn pid(&self) -> u32 {
         self.child.id()
