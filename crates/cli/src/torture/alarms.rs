@@ -31,10 +31,11 @@ use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::attempts::Ledger;
+use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
     parse_failure_marker,
 };
 
@@ -84,6 +85,10 @@ struct Schedule {
     object: String,
     name: String,
     scheduled_time: EpochMs,
+    /// When `schedule` returned (system clock): set on the accepted line
+    /// only, absent from journals older than `--backup-during`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    acked_ms: Option<EpochMs>,
 }
 
 /// A `durability_alarms` row as the checker reads it.
@@ -174,11 +179,12 @@ impl Workload for AlarmsWorkload {
             if let Some(last) = last_time.get(&(object.clone(), name.clone())) {
                 scheduled_time = scheduled_time.max(last + 1);
             }
-            let schedule = Schedule {
+            let mut schedule = Schedule {
                 item,
                 object: object.clone(),
                 name: name.clone(),
                 scheduled_time,
+                acked_ms: None,
             };
             produced.append(&Produced::Intent(schedule.clone()))?;
             last_time.insert((object, name.clone()), scheduled_time);
@@ -186,6 +192,7 @@ impl Workload for AlarmsWorkload {
                 object.alarms.schedule(&name, scheduled_time).await
             })
             .await??;
+            schedule.acked_ms = Some(acked_now_ms());
             produced.append(&Produced::Accepted(schedule))?;
             Life::pace(&mut rng).await;
         }
@@ -243,6 +250,79 @@ impl Workload for AlarmsWorkload {
             tally,
         ))
     }
+
+    /// An accepted schedule is recorded by its name's `durability_alarms`
+    /// row, pending or failed, at its time or later: a later schedule of
+    /// the name replaces the row, and times only grow per name. An
+    /// occurrence whose handler succeeded has its row deleted; the
+    /// handler journaled its `Ok` before that deletion committed.
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError> {
+        let produced = journal::read::<Produced>(&copy.run.files.produced())?;
+        let handled = journal::read::<AttemptFact>(&copy.run.files.handled())?;
+        let mut fired: HashMap<(String, String), EpochMs> = HashMap::new();
+        for fact in &handled.lines {
+            if let (Some(Outcome::Ok), Some(time)) = (fact.returned, fact.scheduled_time) {
+                let latest = fired
+                    .entry((fact.object.clone(), fact.key.clone()))
+                    .or_insert(time);
+                *latest = (*latest).max(time);
+            }
+        }
+        let mut rows = HashMap::new();
+        for entry in copy.run.manifest.objects.values() {
+            let read = copy.run.rows(
+                entry,
+                "durability_alarms",
+                "SELECT name, scheduled_at FROM durability_alarms",
+                |row| {
+                    Ok((
+                        (entry.id.clone(), row.get::<_, String>(0)?),
+                        row.get::<_, EpochMs>(1)?,
+                    ))
+                },
+            )?;
+            rows.extend(read);
+        }
+        Ok(copy_presence(copy, &produced.lines, &rows, &fired))
+    }
+}
+
+/// Which accepted schedules a copy must hold and does not; `rows` are the
+/// copy's scheduled times by (object id, name), `fired` the latest
+/// scheduled time whose handler returned `Ok`, by the same key.
+fn copy_presence(
+    copy: &BackupCopy,
+    produced: &[Produced],
+    rows: &HashMap<(String, String), EpochMs>,
+    fired: &HashMap<(String, String), EpochMs>,
+) -> Presence {
+    let mut presence = Presence::default();
+    for fact in produced {
+        let Produced::Accepted(schedule) = fact else {
+            continue;
+        };
+        if !copy.must_hold(&schedule.object, schedule.acked_ms) {
+            continue;
+        }
+        let key = (schedule.object.clone(), schedule.name.clone());
+        let stored = rows.get(&key).copied();
+        let at_or_after = |at: EpochMs| at >= schedule.scheduled_time;
+        presence.item(
+            stored.is_some_and(at_or_after) || fired.get(&key).copied().is_some_and(at_or_after),
+            || {
+                format!(
+                    "item {} ({} at {}) was accepted at {} and never fired, but the restored copy of {} stores {}",
+                    schedule.item,
+                    schedule.name,
+                    schedule.scheduled_time,
+                    schedule.acked_ms.unwrap_or_default(),
+                    copy.describe(&schedule.object),
+                    stored.map_or("no row".to_owned(), |at| format!("the name at {at}"))
+                )
+            },
+        );
+    }
+    presence
 }
 
 /// Everything journaled about one name of one object.
@@ -446,6 +526,7 @@ mod tests {
             object: "o".into(),
             name: "n-0".into(),
             scheduled_time,
+            acked_ms: None,
         }
     }
 

@@ -39,16 +39,18 @@ use durability::retry::Delay;
 use durability::scheduler::MIN_ALARM_MIN_DELAY;
 use durability::{HandlerError, Scheduler};
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext};
-use durability_platform::Context as _;
+use durability_platform::{Context as _, EpochMs};
 use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::attempts::Ledger;
+use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows, roll,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
+    roll,
 };
 
 /// The consumer target.
@@ -119,6 +121,10 @@ enum Produced {
         object: String,
         items: Vec<u64>,
         ids: Vec<String>,
+        /// When `enqueue` returned (system clock); absent from journals
+        /// older than `--backup-during`.
+        #[serde(default)]
+        acked_ms: Option<EpochMs>,
     },
     Rejected {
         object: String,
@@ -448,6 +454,7 @@ impl Workload for FanoutWorkload {
                     object,
                     items,
                     ids: value,
+                    acked_ms: Some(acked_now_ms()),
                 },
                 EnqueueResult::Rejected { error, .. } => Produced::Rejected {
                     object,
@@ -607,6 +614,107 @@ impl Workload for FanoutWorkload {
             tally,
         ))
     }
+
+    /// An accepted message's delivery to a target is recorded in the copy
+    /// while it is owed or parked; once it ended (acked or stored, or
+    /// written to the DLQ) its rows are deleted, and the handlers' journal,
+    /// written before that deletion commits, says it ended. A delivery
+    /// neither in the copy nor ended in the journal is missing.
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError> {
+        let produced = journal::read::<Produced>(&copy.run.files.produced())?;
+        let handled = journal::read::<Handled>(&copy.run.files.handled())?;
+        let mut recorded = HashSet::new();
+        for entry in copy.run.manifest.objects.values() {
+            let owed = copy.run.rows(
+                entry,
+                "durability_fanout_deliveries",
+                "SELECT m.id, d.target_id FROM durability_fanout_deliveries d \
+                 LEFT JOIN durability_fanout_messages m ON m.key = d.message_key",
+                |row| {
+                    Ok(delivery_key(
+                        &row.get::<_, Option<String>>(0)?.unwrap_or_default(),
+                        &row.get::<_, String>(1)?,
+                    ))
+                },
+            )?;
+            let parked = copy.run.rows(
+                entry,
+                "durability_fanout_parked",
+                "SELECT message_id, target_id FROM durability_fanout_parked",
+                |row| {
+                    Ok(delivery_key(
+                        &row.get::<_, String>(0)?,
+                        &row.get::<_, String>(1)?,
+                    ))
+                },
+            )?;
+            recorded.extend(
+                owed.into_iter()
+                    .chain(parked)
+                    .map(|key| (entry.id.clone(), key)),
+            );
+        }
+        let mut ended = HashSet::new();
+        for fact in &handled.lines {
+            match fact {
+                Handled::Attempt(attempt) if attempt.returned == Some(Outcome::Ok) => {
+                    ended.insert((attempt.object.clone(), attempt.key.clone()));
+                }
+                Handled::DeadLetter(dead) => {
+                    ended.insert((
+                        dead.object.clone(),
+                        delivery_key(&dead.message_id, &dead.target),
+                    ));
+                }
+                Handled::Attempt(_) | Handled::Redrive(_) => {}
+            }
+        }
+        Ok(copy_presence(copy, &produced.lines, &recorded, &ended))
+    }
+}
+
+/// Which deliveries of accepted messages a copy must hold and does not:
+/// `recorded` are the copy's owed and parked deliveries, `ended` the ones
+/// the handlers' journal saw end, both by (object id, delivery key).
+fn copy_presence(
+    copy: &BackupCopy,
+    produced: &[Produced],
+    recorded: &HashSet<(String, String)>,
+    ended: &HashSet<(String, String)>,
+) -> Presence {
+    let mut presence = Presence::default();
+    let mut seen = HashSet::new();
+    for fact in produced {
+        let Produced::Accepted {
+            object,
+            ids,
+            acked_ms,
+            ..
+        } = fact
+        else {
+            continue;
+        };
+        if !copy.must_hold(object, *acked_ms) {
+            continue;
+        }
+        for id in ids {
+            for target in TARGETS {
+                let slot = (object.clone(), delivery_key(id, target));
+                if !seen.insert(slot.clone()) {
+                    continue;
+                }
+                presence.item(recorded.contains(&slot) || ended.contains(&slot), || {
+                    format!(
+                        "{} was accepted at {} but is neither in the restored copy of {} nor ended",
+                        slot.1,
+                        acked_ms.unwrap_or_default(),
+                        copy.describe(object)
+                    )
+                });
+            }
+        }
+    }
+    presence
 }
 
 /// The final fanout rows of every object, by object id.
@@ -667,7 +775,9 @@ fn check_facts(
                         .or_default() += 1;
                 }
             }
-            Produced::Accepted { object, items, ids } => {
+            Produced::Accepted {
+                object, items, ids, ..
+            } => {
                 if ids.len() != items.len() {
                     tally.flag(
                         Violation::Broken("enqueue_answers"),
@@ -959,6 +1069,7 @@ mod tests {
             object: "o".into(),
             items: items.to_vec(),
             ids: items.iter().map(|&i| message_id(i)).collect(),
+            acked_ms: None,
         }
     }
 

@@ -21,7 +21,44 @@ const MESSAGES_PER_OBJECT: usize = 3;
 /// Checks every object of the manifest; returns the database files found
 /// corrupt, so a checker's read error on one of them is not counted twice.
 pub fn check(run: &Finished, tally: &mut Tally) -> BTreeSet<PathBuf> {
+    let (checked, damaged) = problems(run);
     let mut corrupt = BTreeSet::new();
+    for Damage {
+        name,
+        path,
+        problem,
+    } in damaged
+    {
+        tally.flag(
+            Violation::Corrupt,
+            format!(
+                "the database of {name} ({}) fails integrity_check: {problem}",
+                path.display()
+            ),
+        );
+        corrupt.insert(path);
+    }
+    tally.detail("integrity_checked", checked);
+    corrupt
+}
+
+/// An object database that fails `integrity_check` or cannot be read.
+#[derive(Debug)]
+pub struct Damage {
+    /// The object's name.
+    pub name: String,
+    /// Its database file.
+    pub path: PathBuf,
+    /// SQLite's first messages, or why the file cannot be read.
+    pub problem: String,
+}
+
+/// Runs `integrity_check` on every object of the manifest that has a
+/// database in `run.databases`; returns how many were checked and the
+/// damaged ones. Shared by the final check and the check of the copies
+/// `--backup-during` restored.
+pub fn problems(run: &Finished) -> (u64, Vec<Damage>) {
+    let mut damaged = Vec::new();
     let mut checked = 0_u64;
     for (name, entry) in &run.manifest.objects {
         let problem = match integrity_check(run, entry) {
@@ -39,19 +76,14 @@ pub fn check(run: &Finished, tally: &mut Tally) -> BTreeSet<PathBuf> {
         };
         checked += 1;
         if let Some(problem) = problem {
-            let path = run.database(entry);
-            tally.flag(
-                Violation::Corrupt,
-                format!(
-                    "the database of {name} ({}) fails integrity_check: {problem}",
-                    path.display()
-                ),
-            );
-            corrupt.insert(path);
+            damaged.push(Damage {
+                name: name.clone(),
+                path: run.database(entry),
+                problem,
+            });
         }
     }
-    tally.detail("integrity_checked", checked);
-    corrupt
+    (checked, damaged)
 }
 
 /// `integrity_check`'s rows for one object (`["ok"]` when sound); `None` if

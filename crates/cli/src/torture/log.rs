@@ -50,9 +50,10 @@ use rand::Rng as _;
 use serde::{Deserialize, Serialize};
 
 use super::TortureError;
+use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
-use super::workload::{Finished, HandlerEnv, Life, Objects, Workload};
+use super::workload::{Finished, HandlerEnv, Life, Objects, Workload, acked_now_ms};
 
 /// Consecutive items that go to one partition, so a batch has several.
 const ITEMS_PER_BLOCK: u64 = 5;
@@ -175,6 +176,10 @@ enum Produced {
         /// The log's end just before the append: a record returned below it
         /// was deduplicated by its key.
         end_before: u64,
+        /// When `append` returned (system clock); absent from journals
+        /// older than `--backup-during`.
+        #[serde(default)]
+        acked_ms: Option<EpochMs>,
     },
     Rejected {
         object: String,
@@ -455,6 +460,7 @@ impl Workload for LogWorkload {
                 Appended::Accepted { offsets, .. } => Produced::Appended {
                     object,
                     end_before,
+                    acked_ms: Some(acked_now_ms()),
                     records: batch
                         .iter()
                         .zip(offsets)
@@ -616,6 +622,107 @@ impl Workload for LogWorkload {
         tally.detail("torn_journal_lines", produced.torn + handled.torn);
         Ok(check_facts(&produced.lines, &handled.lines, &stored, tally))
     }
+
+    /// An accepted record is recorded in the copy hot, at its offset with
+    /// its key, or cold: inside a segment the copy's index lists (the
+    /// segment files live outside the database, in the run's cold
+    /// directory, so the copy's part is the index row).
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError> {
+        let produced = journal::read::<Produced>(&copy.run.files.produced())?;
+        let mut stored: HashMap<String, CopiedLog> = HashMap::new();
+        for entry in copy.run.manifest.objects.values() {
+            let hot = copy.run.rows(
+                entry,
+                "durability_log_records",
+                "SELECT \"offset\", dedup_key FROM durability_log_records",
+                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, String>(1)?)),
+            )?;
+            let segments = copy.run.rows(
+                entry,
+                "durability_log_segments",
+                "SELECT first_offset, last_offset FROM durability_log_segments",
+                |row| Ok((row.get::<_, i64>(0)?, row.get::<_, i64>(1)?)),
+            )?;
+            stored.insert(
+                entry.id.clone(),
+                CopiedLog {
+                    hot: hot
+                        .into_iter()
+                        .map(|(offset, key)| (u64::try_from(offset).unwrap_or(u64::MAX), key))
+                        .collect(),
+                    segments: segments
+                        .into_iter()
+                        .map(|(first, last)| {
+                            (
+                                u64::try_from(first).unwrap_or(u64::MAX),
+                                u64::try_from(last).unwrap_or(0),
+                            )
+                        })
+                        .collect(),
+                },
+            );
+        }
+        Ok(copy_presence(copy, &produced.lines, &stored))
+    }
+}
+
+/// One partition's log in a restored copy: hot keys by offset, and the
+/// offset ranges of the indexed cold segments.
+#[derive(Debug, Default)]
+struct CopiedLog {
+    hot: HashMap<u64, String>,
+    segments: Vec<(u64, u64)>,
+}
+
+impl CopiedLog {
+    fn holds(&self, record: &AcceptedRecord) -> bool {
+        self.hot.get(&record.offset) == Some(&record.key)
+            || self
+                .segments
+                .iter()
+                .any(|&(first, last)| (first..=last).contains(&record.offset))
+    }
+}
+
+/// Which accepted records a copy must hold and does not, from each
+/// partition's copied log by object id.
+fn copy_presence(
+    copy: &BackupCopy,
+    produced: &[Produced],
+    stored: &HashMap<String, CopiedLog>,
+) -> Presence {
+    let mut presence = Presence::default();
+    let mut seen = HashSet::new();
+    for fact in produced {
+        let Produced::Appended {
+            object,
+            records,
+            acked_ms,
+            ..
+        } = fact
+        else {
+            continue;
+        };
+        if !copy.must_hold(object, *acked_ms) {
+            continue;
+        }
+        let log = stored.get(object);
+        for record in records {
+            if !seen.insert((object.as_str(), record.key.as_str())) {
+                continue;
+            }
+            presence.item(log.is_some_and(|log| log.holds(record)), || {
+                format!(
+                    "{} at offset {} was accepted at {} but is neither hot nor in an indexed segment in the restored copy of {}",
+                    record.key,
+                    record.offset,
+                    acked_ms.unwrap_or_default(),
+                    copy.describe(object)
+                )
+            });
+        }
+    }
+    presence
 }
 
 /// One partition's log as the checker reads it.
@@ -697,6 +804,7 @@ fn check_facts(
                 object,
                 records,
                 end_before,
+                ..
             } => {
                 deduplicated += records.iter().filter(|r| r.offset < *end_before).count() as u64;
                 for record in records {
@@ -1204,6 +1312,7 @@ mod tests {
         Produced::Appended {
             object: "o".into(),
             end_before: 0,
+            acked_ms: None,
             records: records
                 .iter()
                 .map(|&(item, offset)| AcceptedRecord {

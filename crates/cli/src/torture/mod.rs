@@ -21,9 +21,15 @@
 //! lets a power loss undo ([`verdict::Allowance`]). Every run, cut or not,
 //! checks each object's database with `PRAGMA integrity_check`
 //! ([`integrity`]).
+//!
+//! With `--backup-during` the supervisor also backs up the data directory
+//! with `durability backup` while lives serve it, restores each backup with
+//! `durability restore`, and the checker requires every item accepted
+//! before its object was copied to be in the restored copy ([`backups`]).
 
 mod alarms;
 mod attempts;
+mod backups;
 mod child;
 mod fanout;
 mod integrity;
@@ -86,11 +92,24 @@ pub struct TortureArgs {
     #[arg(long, value_name = "LIST", value_delimiter = ',', requires = "power_cut",
           default_values = ["drop", "reorder", "metadata", "eio", "enospc", "torn-overwrite"])]
     faults: Vec<FaultKind>,
+    /// While lives serve the data directory, back it up with `durability
+    /// backup` (another process, as an operator would: in every killed
+    /// life whose host started, at its kill moment, the kill waiting for
+    /// the backup; and once in the final life), restore each backup with
+    /// `durability restore` into the run directory, and check each
+    /// restored copy: every object passes integrity_check, and every item
+    /// accepted before its object was copied is in it, in whatever state.
+    /// A failed backup or restore, or a missing item, fails the run.
+    #[arg(long)]
+    backup_during: bool,
     /// Print the verdict as one JSON object (`power_cut`, `mode`, `kills`,
     /// `cuts`, `faults`, `accepted`, `completed`, `lost`, `lost_allowed`,
     /// `over_attempts`, `over_attempts_allowed`, `stale_settlements`,
-    /// `corrupt`, `refused_starts`, `violations`, per-workload detail)
-    /// instead of a table.
+    /// `corrupt`, `refused_starts`, `backups` (taken during the run and
+    /// restored, with --backup-during), `backup_items_checked` (items
+    /// accepted before their object was copied), `backup_items_missing`
+    /// (of those, not in the restored copy: violations), `violations`,
+    /// per-workload detail) instead of a table.
     #[arg(long)]
     json: bool,
     /// Check the run already in --data-dir again instead of running one
@@ -224,6 +243,7 @@ struct Entry {
     about: &'static str,
     life: fn(&Life) -> Result<child::Ending, TortureError>,
     check: fn(&Finished) -> Result<Tally, TortureError>,
+    check_copy: fn(&backups::BackupCopy) -> Result<backups::Presence, TortureError>,
 }
 
 const fn entry<W: Workload>() -> Entry {
@@ -232,6 +252,7 @@ const fn entry<W: Workload>() -> Entry {
         about: W::ABOUT,
         life: child::live::<W>,
         check: W::check,
+        check_copy: W::check_copy,
     }
 }
 
@@ -310,6 +331,7 @@ pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
                 kills: args.kills,
                 mode,
                 faults: power_cut.then_some(args.faults.as_slice()),
+                backup_during: args.backup_during,
             };
             let supervised = supervisor::supervise(&plan, &files)?;
             supervised.save(&files)?;
@@ -329,6 +351,13 @@ pub fn run(args: &TortureArgs) -> Result<Verdict, TortureError> {
             allowance: Allowance::for_run(power_cut, mode),
         };
         let mut tally = check(entry, &finished)?;
+        backups::check(
+            entry.check_copy,
+            &finished,
+            &supervised.backups,
+            supervised.backup_during,
+            &mut tally,
+        )?;
         supervised.add_to(&mut tally);
         reports.push(WorkloadReport {
             workload: entry.name,

@@ -14,7 +14,7 @@
 //!   a stale settlement);
 //! - no retryable failure ended an operation that had attempts left.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -22,15 +22,16 @@ use durability::retry::Delay;
 use durability::scheduler::MIN_ALARM_MIN_DELAY;
 use durability::{DurableCall, Operations, Registration, Scheduler};
 use durability_host::{AlarmInfo, BoxError, DurableObject, ObjectContext};
-use durability_platform::Context as _;
+use durability_platform::{Context as _, EpochMs};
 use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::attempts::Ledger;
+use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
     parse_failure_marker,
 };
 
@@ -87,6 +88,10 @@ struct Accepted {
     /// `false` when the id was already registered (by a life killed before
     /// it could journal the registration).
     created: bool,
+    /// When `start` returned (system clock); absent from journals older
+    /// than `--backup-during`.
+    #[serde(default)]
+    acked_ms: Option<EpochMs>,
 }
 
 /// A `durability_calls` row as the checker reads it.
@@ -169,6 +174,7 @@ impl Workload for OperationsWorkload {
                 id,
                 object: stub.id().to_string(),
                 created: registration == Registration::Created,
+                acked_ms: Some(acked_now_ms()),
             })?;
             Life::pace(&mut rng).await;
         }
@@ -221,6 +227,50 @@ impl Workload for OperationsWorkload {
         let ledger = Ledger::check(&handled.lines, MAX_ATTEMPTS, &mut tally);
         Ok(check_facts(&produced.lines, &ledger, &rows, tally))
     }
+
+    /// An accepted operation is recorded by its `durability_calls` row in
+    /// its object, whatever its status.
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError> {
+        let produced = journal::read::<Accepted>(&copy.run.files.produced())?;
+        let mut rows = HashSet::new();
+        for entry in copy.run.manifest.objects.values() {
+            let ids = copy.run.rows(
+                entry,
+                "durability_calls",
+                "SELECT id FROM durability_calls",
+                |row| row.get::<_, String>(0),
+            )?;
+            rows.extend(ids.into_iter().map(|id| (entry.id.clone(), id)));
+        }
+        Ok(copy_presence(copy, &produced.lines, &rows))
+    }
+}
+
+/// Which accepted operations a copy must hold and does not; `rows` are
+/// the copy's `(object id, operation id)`. An operation journaled twice (a
+/// registration repeated after a kill) counts once.
+fn copy_presence(
+    copy: &BackupCopy,
+    produced: &[Accepted],
+    rows: &HashSet<(String, String)>,
+) -> Presence {
+    let mut presence = Presence::default();
+    let mut seen = HashSet::new();
+    for fact in produced {
+        if !copy.must_hold(&fact.object, fact.acked_ms) || !seen.insert(fact.id.as_str()) {
+            continue;
+        }
+        let present = rows.contains(&(fact.object.clone(), fact.id.clone()));
+        presence.item(present, || {
+            format!(
+                "{} was accepted at {} but has no row in the restored copy of {}",
+                fact.id,
+                fact.acked_ms.unwrap_or_default(),
+                copy.describe(&fact.object)
+            )
+        });
+    }
+    presence
 }
 
 /// The checker's comparison of the accepted operations and the handlers'
@@ -375,6 +425,7 @@ mod tests {
             id: format!("op-{item}"),
             object: "o".into(),
             created: true,
+            acked_ms: None,
         }
     }
 

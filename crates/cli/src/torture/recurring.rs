@@ -32,8 +32,12 @@
 //! The final life ends once every schedule's pending occurrence lies past a
 //! horizon a little after its production, so each schedule ran through that
 //! life too.
+//!
+//! The producer journals each object's registrations once they returned
+//! (`produced.jsonl`), for `--backup-during`: a copy taken after that holds
+//! every schedule of the object.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -48,9 +52,12 @@ use serde::{Deserialize, Serialize};
 
 use super::TortureError;
 use super::attempts::Ledger;
+use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
-use super::workload::{AttemptFact, Finished, HandlerEnv, Life, Objects, Workload, count_rows};
+use super::workload::{
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Workload, acked_now_ms, count_rows,
+};
 
 /// Attempts per occurrence, the first included.
 const MAX_ATTEMPTS: u32 = 4;
@@ -152,6 +159,15 @@ struct TickFact {
     life: u32,
 }
 
+/// The producer's journal line: every schedule of `object` is registered
+/// (the registering call returned at `acked_ms`, system clock).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Registered {
+    object: String,
+    names: Vec<String>,
+    acked_ms: EpochMs,
+}
+
 /// A schedule's rows at the end of the run.
 #[derive(Debug, Clone, Default)]
 struct Stored {
@@ -232,7 +248,7 @@ impl Workload for RecurringWorkload {
 
     async fn produce(
         objects: &Objects<RecurringObject>,
-        _produced: &Journal,
+        produced: &Journal,
         life: &Life,
     ) -> Result<(), TortureError> {
         // Registration is idempotent: every life registers every schedule,
@@ -249,6 +265,11 @@ impl Workload for RecurringWorkload {
                 Ok::<_, durability::DurabilityError>(())
             })
             .await??;
+            produced.append(&Registered {
+                object: stub.id().to_string(),
+                names: SCHEDULES.iter().map(|spec| spec.name.to_owned()).collect(),
+                acked_ms: acked_now_ms(),
+            })?;
         }
         if life.is_final {
             HORIZON.get_or_init(|| objects.now_ms() + FINAL_SPAN_MS);
@@ -306,6 +327,54 @@ impl Workload for RecurringWorkload {
         Ledger::check(&handled.lines, MAX_ATTEMPTS, &mut tally);
         Ok(check_ticks(&ticks.lines, &stored, tally))
     }
+
+    /// A registered schedule is recorded by its `durability_alarm_schedules`
+    /// row (no schedule of the workload ever ends).
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError> {
+        let produced = journal::read::<Registered>(&copy.run.files.produced())?;
+        let mut rows = HashSet::new();
+        for entry in copy.run.manifest.objects.values() {
+            let names = copy.run.rows(
+                entry,
+                "durability_alarm_schedules",
+                "SELECT name FROM durability_alarm_schedules",
+                |row| row.get::<_, String>(0),
+            )?;
+            rows.extend(names.into_iter().map(|name| (entry.id.clone(), name)));
+        }
+        Ok(copy_presence(copy, &produced.lines, &rows))
+    }
+}
+
+/// Which registered schedules a copy must hold and does not; `rows` are
+/// the copy's `(object id, name)`. Every life registers again; a schedule
+/// counts once, by its first registration.
+fn copy_presence(
+    copy: &BackupCopy,
+    produced: &[Registered],
+    rows: &HashSet<(String, String)>,
+) -> Presence {
+    let mut presence = Presence::default();
+    let mut seen = HashSet::new();
+    for fact in produced {
+        if !copy.must_hold(&fact.object, Some(fact.acked_ms)) {
+            continue;
+        }
+        for name in &fact.names {
+            let key = (fact.object.clone(), name.clone());
+            if !seen.insert(key.clone()) {
+                continue;
+            }
+            presence.item(rows.contains(&key), || {
+                format!(
+                    "schedule {name} was registered at {} but is not in the restored copy of {}",
+                    fact.acked_ms,
+                    copy.describe(&fact.object)
+                )
+            });
+        }
+    }
+    presence
 }
 
 /// Everything journaled about one schedule of one object.

@@ -7,6 +7,14 @@
 //! the supervisor also holds the power-cut filesystem for the whole run:
 //! it arms the life's fault before the life starts and cuts once the child
 //! is reaped, so no process has a file of the mount open during a cut.
+//!
+//! With `--backup-during` ([`super::backups`]) a killed life whose host
+//! started is backed up at its kill moment and killed once the backup
+//! returned, so the backup reads a directory a live host is writing; the
+//! final life is backed up once, a seeded moment after its host started.
+//! The backup process has ended before the kill, so it never has a file
+//! of the mount open during a cut either. Restores read only the backup
+//! and write only the run directory, after the life.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write as _;
@@ -18,6 +26,7 @@ use rand::{Rng as _, SeedableRng as _};
 use serde::{Deserialize, Serialize};
 
 use super::TortureError;
+use super::backups::{self, Taken};
 use super::child::{EXIT_UNSETTLED, SETTLE_TIMEOUT};
 use super::power_cut::{CutsDone, FaultKind, PowerCuts};
 use super::verdict::{Tally, Violation};
@@ -55,6 +64,8 @@ pub struct Plan<'a> {
     pub mode: Mode,
     /// With power cuts, the faults the cuts draw from.
     pub faults: Option<&'a [FaultKind]>,
+    /// Back the data directory up while lives serve it.
+    pub backup_during: bool,
 }
 
 /// What happened to the lives of one workload, beyond what the journals
@@ -89,6 +100,12 @@ pub struct Supervised {
     /// The final life's work did not settle within its timeout.
     unsettled: bool,
     final_life_ms: u64,
+    /// Whether the run was asked to back up during its lives.
+    #[serde(default)]
+    pub backup_during: bool,
+    /// The backups taken during the lives, in order.
+    #[serde(default)]
+    pub backups: Vec<Taken>,
 }
 
 impl Supervised {
@@ -191,13 +208,18 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         kills,
         mode,
         faults,
+        backup_during,
     } = *plan;
     let items = ITEMS_PER_LIFE.saturating_mul(u64::from(kills) + 1);
     let mut moments = StdRng::seed_from_u64(roll(seed, "kill moments", workload, 0));
+    // Drawn apart from the kill moments, so a run with --backup-during
+    // kills at the same moments as one without.
+    let mut backup_moments = StdRng::seed_from_u64(roll(seed, "backup moments", workload, 0));
     let mut supervised = Supervised {
         seed,
         power_cut: faults.is_some(),
         mode: mode.key.to_owned(),
+        backup_during,
         ..Supervised::default()
     };
     // Mounted until the final life exited; dropped (unmounted) on every
@@ -220,6 +242,12 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         let mut child = spawn(&life_of(life, false), files)?;
         let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
         std::thread::sleep(Duration::from_millis(delay));
+        // The kill waits for the backup: it is taken while the host serves.
+        let backup = if backup_during && backups::serving(&mut child, files)? {
+            Some(backups::back_up(files, life)?)
+        } else {
+            None
+        };
         // An error here means the child already exited; `wait` says how.
         let _ = child.kill();
         let status = wait(&mut child, files)?;
@@ -247,11 +275,23 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         if let (Some(power), Some(armed)) = (power.as_mut(), armed) {
             power.cut(armed, life)?;
         }
+        if let Some(taken) = backup {
+            supervised.backups.push(backups::restore(files, taken)?);
+        }
     }
 
     let started = Instant::now();
     clear_started(files)?;
     let mut child = spawn(&life_of(kills, true), files)?;
+    // A final life that ended before the backup's moment leaves a stopped
+    // directory, which is backed up all the same: every run gets a backup.
+    let backup = if backup_during && backups::serving(&mut child, files)? {
+        let delay = backup_moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
+        std::thread::sleep(Duration::from_millis(delay));
+        Some(backups::back_up(files, kills)?)
+    } else {
+        None
+    };
     let deadline = started + SETTLE_TIMEOUT + FINAL_LIFE_SLACK;
     let status = loop {
         match child.try_wait() {
@@ -293,6 +333,9 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
     }
     if let Some(power) = power.take() {
         supervised.cuts = power.unmount()?;
+    }
+    if let Some(taken) = backup {
+        supervised.backups.push(backups::restore(files, taken)?);
     }
     Ok(supervised)
 }

@@ -28,6 +28,9 @@ pub enum Violation {
     /// An object's database fails `PRAGMA integrity_check` or cannot be
     /// read.
     Corrupt,
+    /// An item accepted before its object was copied by a backup taken
+    /// during the run (`--backup-during`) is not in the restored copy.
+    MissingFromBackup,
     /// Another invariant of the workload, by name.
     Broken(&'static str),
 }
@@ -113,6 +116,13 @@ pub struct Tally {
     /// Handler runs beyond `max_attempts` within the mode's allowance (not
     /// violations).
     pub over_attempts_allowed: u64,
+    /// Backups taken during the run and restored (`--backup-during`).
+    pub backups: u64,
+    /// Items the restored copies had to record: accepted before their
+    /// object was copied.
+    pub backup_items_checked: u64,
+    /// Of those, items a copy did not record.
+    pub backup_items_missing: u64,
     /// Other broken invariants, by name.
     pub broken: BTreeMap<&'static str, u64>,
     /// Other findings the allowance permits (not violations), by name.
@@ -151,6 +161,7 @@ impl Tally {
             Violation::OverAttempts => self.over_attempts += 1,
             Violation::StaleSettlement => self.stale_settlements += 1,
             Violation::Corrupt => self.corrupt += 1,
+            Violation::MissingFromBackup => self.backup_items_missing += 1,
             Violation::Broken(name) => *self.broken.entry(name).or_default() += 1,
         }
         if self.examples.len() < MAX_EXAMPLES {
@@ -200,6 +211,7 @@ impl Tally {
             + self.over_attempts
             + self.stale_settlements
             + self.corrupt
+            + self.backup_items_missing
             + self.broken.values().sum::<u64>()
     }
 
@@ -306,6 +318,9 @@ impl Verdict {
                     "stale_settlements": tally.stale_settlements,
                     "corrupt": tally.corrupt,
                     "refused_starts": tally.refused_starts(),
+                    "backups": tally.backups,
+                    "backup_items_checked": tally.backup_items_checked,
+                    "backup_items_missing": tally.backup_items_missing,
                     "other_violations": tally.broken,
                     "other_allowed": tally.allowed,
                     "violations": tally.violations(),
@@ -334,6 +349,9 @@ impl Verdict {
             "stale_settlements": self.sum(|t| t.stale_settlements),
             "corrupt": self.sum(|t| t.corrupt),
             "refused_starts": self.sum(Tally::refused_starts),
+            "backups": self.sum(|t| t.backups),
+            "backup_items_checked": self.sum(|t| t.backup_items_checked),
+            "backup_items_missing": self.sum(|t| t.backup_items_missing),
             "violations": self.violations(),
             "duration_ms": millis(self.elapsed),
             "workloads": workloads,
@@ -380,6 +398,16 @@ impl Verdict {
         }
         let mut text = table.to_string();
         for report in &self.reports {
+            let tally = &report.tally;
+            if tally.backups > 0 {
+                text.push_str(&format!(
+                    "\n{}: {} backups taken during the run and restored: {} items accepted before their copy checked, {} missing",
+                    report.workload,
+                    tally.backups,
+                    tally.backup_items_checked,
+                    tally.backup_items_missing
+                ));
+            }
             for (name, count) in &report.tally.broken {
                 text.push_str(&format!("\n{}: {name}: {count}", report.workload));
             }

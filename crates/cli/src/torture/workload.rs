@@ -28,6 +28,7 @@ use rusqlite::{Connection, OpenFlags};
 use serde::{Deserialize, Serialize};
 
 use super::TortureError;
+use super::backups::{BackupCopy, Presence};
 use super::journal::Journal;
 use super::verdict::{Allowance, Tally};
 use crate::modes::Mode;
@@ -82,6 +83,14 @@ pub trait Workload: 'static {
 
     /// Compares the journals with the final databases.
     fn check(run: &Finished) -> Result<Tally, TortureError>;
+
+    /// Checks a backup taken during the run (`--backup-during`), restored:
+    /// every item the producer journaled as accepted before its object was
+    /// copied ([`BackupCopy::must_hold`]) is recorded in the copy's
+    /// database, in whatever state: the copy is one moment of the run, so
+    /// nothing in it need have ended. Items map to objects as in
+    /// [`Workload::check`].
+    fn check_copy(copy: &BackupCopy) -> Result<Presence, TortureError>;
 }
 
 /// The files of one workload's run, all under one directory.
@@ -155,6 +164,17 @@ impl Files {
         self.dir.join("torture-run")
     }
 
+    /// Where `--backup-during` writes the backup taken during life `life`.
+    pub fn backup(&self, life: u32) -> PathBuf {
+        self.dir.join("backups").join(format!("life-{life}"))
+    }
+
+    /// Where `--backup-during` restores the backup taken during life
+    /// `life`: a data directory of its own, outside the run's.
+    pub fn restored(&self, life: u32) -> PathBuf {
+        self.dir.join("restored").join(format!("life-{life}"))
+    }
+
     /// Where the log workload's objects flush their cold segments, one
     /// sub-directory per object id.
     pub fn cold(&self) -> PathBuf {
@@ -216,6 +236,19 @@ impl Life {
         let pause = rng.random_range(0..=PACE_MAX_MS);
         tokio::time::sleep(Duration::from_millis(pause)).await;
     }
+}
+
+/// The system clock in epoch milliseconds, read by a producer right after
+/// a call returned: the moment the item was acknowledged, journaled with it
+/// so a backup's `copied_ms` (the same machine's system clock, read by the
+/// backup process) says whether the copy must hold the item. Not the
+/// host's clock: a test host's may be paused. A clock before 1970 reads 0.
+pub fn acked_now_ms() -> EpochMs {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            EpochMs::try_from(since.as_millis()).unwrap_or(EpochMs::MAX)
+        })
 }
 
 /// A deterministic 64-bit roll of `(seed, what, key, n)`.
@@ -293,12 +326,12 @@ impl<T: DurableObject> Objects<T> {
 
 /// Which database file holds which object, written by every life so the
 /// checker never needs a host of its own.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Manifest {
     pub objects: BTreeMap<String, ManifestEntry>,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ManifestEntry {
     pub id: String,
     pub file: PathBuf,

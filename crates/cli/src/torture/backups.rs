@@ -1,0 +1,332 @@
+//! `--backup-during`: backups of a workload's data directory taken while a
+//! life serves it, restored, and checked against the producer's journal.
+//!
+//! The supervisor takes each backup the way an operator would: it runs
+//! `durability backup DATA_DIR DEST` (this same binary, another process
+//! than the child's host) while the child is producing, and once the life
+//! is over `durability restore DEST RESTORED` into a fresh directory. The
+//! checker then reads every restored object like a finished run's
+//! database: each passes `PRAGMA integrity_check`, and every item the
+//! producer journaled as accepted *before its object was copied* (its
+//! `acked_ms` below the object's `copied_ms` in the backup's manifest) is
+//! recorded in the copy, in whatever state. A copy is one moment of the
+//! run, so nothing in it need have ended. Items accepted after their
+//! object's copy began are not checked: the copy may or may not hold them.
+//!
+//! A backup or a restore that fails is a violation (`backup_failures`),
+//! never a skip: an operator's backup of a live directory must work.
+//!
+//! The module owns the run directory's `backups/` and `restored/`; it never
+//! writes the data directory (the backup command itself records
+//! `last-backup.json` there, as it does for any operator).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use durability_platform::EpochMs;
+use serde::{Deserialize, Serialize};
+
+use super::TortureError;
+use super::integrity;
+use super::verdict::{Tally, Violation};
+use super::workload::{Files, Finished};
+
+/// The verdict's name for backups and restores that failed.
+pub const BACKUP_FAILURES: &str = "backup_failures";
+
+/// How long a life may take to start its host before the supervisor gives
+/// up backing it up: far above a start's tens of milliseconds, so only a
+/// host that refused to start (a failure the supervisor reports anyway)
+/// goes without a backup.
+const START_WAIT: Duration = Duration::from_secs(20);
+
+/// How often the supervisor looks whether the life's host has started.
+const START_POLL: Duration = Duration::from_millis(2);
+
+/// Lines of a failed command's stderr quoted in the violation.
+const STDERR_LINES: usize = 6;
+
+/// One backup taken during a run, saved with the supervisor's record so
+/// `--recheck` checks the same copies again. The backup and its restored
+/// copy are in the run directory ([`Files::backup`], [`Files::restored`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Taken {
+    /// The life that was serving the directory.
+    pub life: u32,
+    /// Why the backup or its restore failed; `None` when both worked.
+    pub failure: Option<String>,
+}
+
+/// Whether the life's host serves the data directory: waits until it wrote
+/// its `started` mark, and says no if the child ended first (a host that
+/// refused to start, or a life a fault ended).
+pub fn serving(child: &mut Child, files: &Files) -> Result<bool, TortureError> {
+    let deadline = Instant::now() + START_WAIT;
+    loop {
+        let exited = child
+            .try_wait()
+            .map_err(|source| TortureError::Io {
+                what: "cannot wait for the child of",
+                path: files.dir().to_path_buf(),
+                source,
+            })?
+            .is_some();
+        if exited {
+            return Ok(false);
+        }
+        if files.started().exists() {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(START_POLL);
+    }
+}
+
+/// Backs up the data directory with `durability backup`, as an operator
+/// would, while life `life` serves it.
+pub fn back_up(files: &Files, life: u32) -> Result<Taken, TortureError> {
+    let dest = files.backup(life);
+    create_parent(&dest)?;
+    let output = durability(&[
+        "backup".as_ref(),
+        files.data().as_os_str(),
+        dest.as_os_str(),
+        "--json".as_ref(),
+    ])?;
+    Ok(Taken {
+        life,
+        failure: failure("backup", life, &output),
+    })
+}
+
+/// Restores a backup with `durability restore` into a fresh directory.
+/// The restore verifies every copy against the manifest before it writes.
+pub fn restore(files: &Files, taken: Taken) -> Result<Taken, TortureError> {
+    if taken.failure.is_some() {
+        return Ok(taken);
+    }
+    let dest = files.restored(taken.life);
+    create_parent(&dest)?;
+    let output = durability(&[
+        "restore".as_ref(),
+        files.backup(taken.life).as_os_str(),
+        dest.as_os_str(),
+        "--json".as_ref(),
+    ])?;
+    Ok(Taken {
+        failure: failure("restore", taken.life, &output),
+        ..taken
+    })
+}
+
+fn create_parent(path: &Path) -> Result<(), TortureError> {
+    let Some(parent) = path.parent() else {
+        return Ok(());
+    };
+    fs::create_dir_all(parent).map_err(|source| TortureError::Io {
+        what: "cannot create the backups' directory",
+        path: parent.to_path_buf(),
+        source,
+    })
+}
+
+/// Runs this binary with `args` to its end.
+fn durability(args: &[&std::ffi::OsStr]) -> Result<Output, TortureError> {
+    let program = std::env::current_exe().map_err(|source| TortureError::Spawn {
+        program: "the current executable".into(),
+        source,
+    })?;
+    Command::new(&program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|source| TortureError::Spawn { program, source })
+}
+
+/// The violation's message when the command failed.
+fn failure(command: &str, life: u32, output: &Output) -> Option<String> {
+    if output.status.success() {
+        return None;
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines
+        .get(lines.len().saturating_sub(STDERR_LINES)..)
+        .unwrap_or_default()
+        .join(" | ");
+    Some(format!(
+        "`durability {command}` of the backup taken during life {life} failed ({}): {tail}",
+        output.status
+    ))
+}
+
+/// A restored backup, as a workload's [`super::workload::Workload::check_copy`]
+/// reads it.
+pub struct BackupCopy {
+    /// The copy's databases, read like a finished run's: `databases` is
+    /// the restored data directory, the manifest the run's own.
+    pub run: Finished,
+    /// The life that was serving the directory, for messages.
+    pub life: u32,
+    /// When each object's copy was taken (the backup manifest's
+    /// `copied_ms`), by object id.
+    copied_ms: BTreeMap<String, EpochMs>,
+    /// When the backup began, before it listed the objects.
+    started_ms: EpochMs,
+}
+
+impl BackupCopy {
+    /// Whether the copy must record an item the producer saw accepted on
+    /// `object` at `acked_ms`: the acceptance returned strictly before the
+    /// object's copy began (both clocks are this machine's system clock;
+    /// the item's moment is taken after the call returned, the copy's
+    /// before its read transaction began, so `<` is safe at millisecond
+    /// resolution). An object the backup does not list must have been in
+    /// it when an item of it was accepted before the backup began. A
+    /// journal line without its moment (written by an older build) is not
+    /// checked.
+    pub fn must_hold(&self, object: &str, acked_ms: Option<EpochMs>) -> bool {
+        let Some(acked_ms) = acked_ms else {
+            return false;
+        };
+        match self.copied_ms.get(object) {
+            Some(&copied_ms) => acked_ms < copied_ms,
+            None => acked_ms < self.started_ms,
+        }
+    }
+
+    /// How the copy of `object` was taken, for a message.
+    pub fn describe(&self, object: &str) -> String {
+        let short = object.get(..12).unwrap_or(object);
+        match self.copied_ms.get(object) {
+            Some(copied_ms) => format!(
+                "object {short} (copied at {copied_ms} during life {})",
+                self.life
+            ),
+            None => format!(
+                "object {short} (not in the backup begun at {} during life {})",
+                self.started_ms, self.life
+            ),
+        }
+    }
+}
+
+/// What a workload found in one copy.
+#[derive(Debug, Default)]
+pub struct Presence {
+    /// Items the copy had to record.
+    pub checked: u64,
+    /// A message per item it did not, naming the item and its object.
+    pub missing: Vec<String>,
+}
+
+impl Presence {
+    /// Counts one item the copy had to record; `missing` says why it is
+    /// not there, built only if it is not.
+    pub fn item(&mut self, present: bool, missing: impl FnOnce() -> String) {
+        self.checked += 1;
+        if !present {
+            self.missing.push(missing());
+        }
+    }
+}
+
+/// Checks every backup the run took: each was taken and restored, each
+/// restored object passes `integrity_check`, and each copy records every
+/// item accepted before its object was copied. `requested` is whether the
+/// run was asked to take backups: then a workload with none fails too.
+pub fn check(
+    check_copy: fn(&BackupCopy) -> Result<Presence, TortureError>,
+    run: &Finished,
+    taken: &[Taken],
+    requested: bool,
+    tally: &mut Tally,
+) -> Result<(), TortureError> {
+    if requested && taken.is_empty() {
+        tally.flag(
+            Violation::Broken(BACKUP_FAILURES),
+            "--backup-during took no backup: no life's host served long enough",
+        );
+    }
+    let mut integrity_checked = 0_u64;
+    for taken in taken {
+        if let Some(failure) = &taken.failure {
+            tally.flag(Violation::Broken(BACKUP_FAILURES), failure.clone());
+            continue;
+        }
+        let backup = run.files.backup(taken.life);
+        let manifest = match durability_host::backup::read_manifest(&backup) {
+            Ok(manifest) => manifest,
+            Err(error) => {
+                tally.flag(
+                    Violation::Broken(BACKUP_FAILURES),
+                    format!(
+                        "the backup taken during life {} cannot be read: {error}",
+                        taken.life
+                    ),
+                );
+                continue;
+            }
+        };
+        let copy = BackupCopy {
+            run: Finished {
+                files: run.files.clone(),
+                manifest: run.manifest.clone(),
+                databases: run.files.restored(taken.life),
+                allowance: run.allowance,
+            },
+            life: taken.life,
+            copied_ms: manifest
+                .objects
+                .iter()
+                .map(|object| (object.id.clone(), object.copied_ms))
+                .collect(),
+            started_ms: manifest.started_ms,
+        };
+        tally.backups += 1;
+        let (checked, damaged) = integrity::problems(&copy.run);
+        integrity_checked += checked;
+        for damage in &damaged {
+            tally.flag(
+                Violation::Corrupt,
+                format!(
+                    "the restored copy of {} from the backup of life {} ({}) fails integrity_check: {}",
+                    damage.name,
+                    taken.life,
+                    damage.path.display(),
+                    damage.problem
+                ),
+            );
+        }
+        match check_copy(&copy) {
+            Ok(presence) => {
+                tally.backup_items_checked += presence.checked;
+                for message in presence.missing {
+                    tally.flag(Violation::MissingFromBackup, message);
+                }
+            }
+            // A copy the checker cannot read is damaged; counted once if
+            // integrity_check already found it.
+            Err(TortureError::Database { path, source }) => {
+                if !damaged.iter().any(|damage| damage.path == path) {
+                    tally.flag(
+                        Violation::Corrupt,
+                        format!(
+                            "the restored copy {} from the backup of life {} cannot be read: {source}",
+                            path.display(),
+                            taken.life
+                        ),
+                    );
+                }
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    tally.detail("backup_integrity_checked", integrity_checked);
+    Ok(())
+}
