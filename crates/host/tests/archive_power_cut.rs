@@ -42,7 +42,7 @@ const SHIP_EVERY: Duration = Duration::from_millis(25);
 /// power while a base is being copied, and restores start from a later
 /// base than the first.
 const BASE_EVERY: Duration = Duration::from_millis(400);
-/// Acknowledged notes before the kill is armed.
+/// Acknowledged notes the archive must hold before the kill is armed.
 const ACKS_BEFORE_KILL: usize = 300;
 /// How long the kill waits for a staged archive file before it kills
 /// anyway (the writer may be between two ship cycles the whole time).
@@ -334,9 +334,10 @@ fn manifest_of(run: &Run) -> Option<ArchiveManifest> {
     archive::read_manifest(&run.archive).ok()
 }
 
-/// Runs the writer until its archive has a base, shipped chunks and
-/// `ACKS_BEFORE_KILL` acknowledgements, then kills it, preferably while a
-/// file of the `staged` kind is half written. Returns whether one was.
+/// Runs the writer until its archive has a base and shipped chunks that
+/// hold `ACKS_BEFORE_KILL` acknowledged notes, then kills it, preferably
+/// while a file of the `staged` kind is half written. Returns whether one
+/// was.
 fn write_then_kill(run: &Run, staged: Staged) -> bool {
     let mut child = std::process::Command::new(std::env::current_exe().expect("the test binary"))
         .args([
@@ -358,17 +359,21 @@ fn write_then_kill(run: &Run, staged: Staged) -> bool {
             panic!("the writer exited early: {status}");
         }
         assert!(Instant::now() < deadline, "the writer made no progress");
-        // A restorable moment: chunks shipped after the first base
-        // finished. Before it the killed life could only be refused
-        // (`BeforeReach`), truthfully but without a restore to judge.
+        // A restorable moment (chunks shipped after the first base
+        // finished; before it the killed life could only be refused, as
+        // `BeforeReach`, truthfully but with no restore to judge) that
+        // covers `ACKS_BEFORE_KILL` acknowledgements: the writer runs
+        // ahead of the archive by a few ship cycles.
         let shipping = manifest_of(run).and_then(|m| {
             let life = m.lives.into_iter().next()?;
             let first = life.bases.first()?;
-            (life.shipped.is_some() && life.through_ms > first.finished_ms).then_some(life.id)
+            let shipped = read_acks(&run.acks)
+                .iter()
+                .filter(|a| a.acked_ms <= life.through_ms)
+                .count();
+            (life.through_ms > first.finished_ms && shipped >= ACKS_BEFORE_KILL).then_some(life.id)
         });
-        if let Some(life) = shipping
-            && read_acks(&run.acks).len() >= ACKS_BEFORE_KILL
-        {
+        if let Some(life) = shipping {
             break life;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -434,11 +439,15 @@ fn run_one(
         &acks,
         &unlogged,
     );
+    // Half: the manifest the cut leaves may be a ship cycle older than
+    // the one that armed the kill, never older than that (each `put`
+    // syncs the directory before the next begins).
     assert!(
         checked >= ACKS_BEFORE_KILL / 2,
-        "{what}: only {checked} acknowledged notes were shipped by {} ({} logged)",
+        "{what}: only {checked} acknowledged notes were shipped by {} ({} logged, the last at {}): {killed:?}",
         killed.through_ms,
-        acks.len()
+        acks.len(),
+        acks.last().map_or(0, |a| a.acked_ms),
     );
     tally.notes_checked += checked;
     judge_catches_a_damaged_copy(held, &acks, killed.through_ms, &unlogged);
