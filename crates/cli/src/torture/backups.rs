@@ -37,6 +37,10 @@ use super::workload::{Files, Finished};
 /// The verdict's name for backups and restores that failed.
 pub const BACKUP_FAILURES: &str = "backup_failures";
 
+/// The verdict's name (among the allowed findings) for backups that failed
+/// because the life's injected eio or enospc fault had ended it.
+pub const BACKUPS_FAILED_BY_FAULT: &str = "backups_failed_by_fault";
+
 /// How long a life may take to start its host before the supervisor gives
 /// up backing it up: far above a start's tens of milliseconds, so only a
 /// host that refused to start (a failure the supervisor reports anyway)
@@ -58,6 +62,30 @@ pub struct Taken {
     pub life: u32,
     /// Why the backup or its restore failed; `None` when both worked.
     pub failure: Option<String>,
+    /// Why the backup failed when the life's injected eio or enospc fault
+    /// ended the life during it ([`Taken::excused_by_fault`]): allowed,
+    /// not a failure.
+    #[serde(default)]
+    pub fault: Option<String>,
+}
+
+impl Taken {
+    /// A backup taken in a life that an injected eio or enospc fault ended
+    /// by itself (`--power-cut`): if it failed, the failure is the fault's.
+    /// Once the host is gone, the backup is the first process to open the
+    /// objects, so SQLite rebuilds each WAL index, which writes to a disk
+    /// the fault filled or broke (seen: "disk I/O error" on a full disk).
+    /// A backup of a directory a host still serves is never excused.
+    pub fn excused_by_fault(self) -> Taken {
+        match self.failure {
+            Some(failure) => Taken {
+                failure: None,
+                fault: Some(failure),
+                ..self
+            },
+            None => self,
+        }
+    }
 }
 
 /// Whether the life's host serves the data directory: waits until it wrote
@@ -101,13 +129,14 @@ pub fn back_up(files: &Files, life: u32) -> Result<Taken, TortureError> {
     Ok(Taken {
         life,
         failure: failure("backup", life, &output),
+        fault: None,
     })
 }
 
 /// Restores a backup with `durability restore` into a fresh directory.
 /// The restore verifies every copy against the manifest before it writes.
 pub fn restore(files: &Files, taken: Taken) -> Result<Taken, TortureError> {
-    if taken.failure.is_some() {
+    if taken.failure.is_some() || taken.fault.is_some() {
         return Ok(taken);
     }
     let dest = files.restored(taken.life);
@@ -255,6 +284,15 @@ pub fn check(
     }
     let mut integrity_checked = 0_u64;
     for taken in taken {
+        if let Some(failure) = &taken.fault {
+            tally.flag_or_allow(
+                true,
+                BACKUPS_FAILED_BY_FAULT,
+                Violation::Broken(BACKUP_FAILURES),
+                format!("after the life's injected fault ended it: {failure}"),
+            );
+            continue;
+        }
         if let Some(failure) = &taken.failure {
             tally.flag(Violation::Broken(BACKUP_FAILURES), failure.clone());
             continue;
@@ -329,4 +367,123 @@ pub fn check(
     }
     tally.detail("backup_integrity_checked", integrity_checked);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::torture::workload::Manifest;
+
+    fn finished(dir: &Path) -> Finished {
+        let files = Files::new(dir.to_path_buf());
+        Finished {
+            databases: files.data(),
+            files,
+            manifest: Manifest::default(),
+            allowance: Default::default(),
+        }
+    }
+
+    fn nothing_to_check(_: &BackupCopy) -> Result<Presence, TortureError> {
+        Ok(Presence::default())
+    }
+
+    #[test]
+    fn a_copy_must_hold_what_was_acknowledged_strictly_before_its_object_was_copied() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let copy = BackupCopy {
+            run: finished(dir.path()),
+            life: 0,
+            copied_ms: BTreeMap::from([("listed".to_owned(), 1_000)]),
+            started_ms: 900,
+        };
+        assert!(copy.must_hold("listed", Some(999)));
+        assert!(!copy.must_hold("listed", Some(1_000)), "same millisecond");
+        assert!(!copy.must_hold("listed", None), "an undated journal line");
+        assert!(copy.must_hold("unlisted", Some(899)));
+        assert!(!copy.must_hold("unlisted", Some(900)));
+    }
+
+    #[test]
+    fn a_failed_backup_fails_the_run_and_one_an_injected_fault_ended_is_allowed() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let failed = Taken {
+            life: 3,
+            failure: Some("`durability backup` ... failed".into()),
+            fault: None,
+        };
+        let mut tally = Tally::default();
+        check(
+            nothing_to_check,
+            &finished(dir.path()),
+            std::slice::from_ref(&failed),
+            true,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.broken.get(BACKUP_FAILURES), Some(&1));
+        assert_eq!((tally.backups, tally.violations()), (0, 1));
+
+        let mut tally = Tally::default();
+        check(
+            nothing_to_check,
+            &finished(dir.path()),
+            &[failed.excused_by_fault()],
+            true,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.violations(), 0, "{:?}", tally.examples());
+        assert_eq!(tally.allowed.get(BACKUPS_FAILED_BY_FAULT), Some(&1));
+    }
+
+    #[test]
+    fn a_run_asked_for_backups_that_took_none_fails() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let mut tally = Tally::default();
+        check(
+            nothing_to_check,
+            &finished(dir.path()),
+            &[],
+            true,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.broken.get(BACKUP_FAILURES), Some(&1));
+        let mut tally = Tally::default();
+        check(
+            nothing_to_check,
+            &finished(dir.path()),
+            &[],
+            false,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.violations(), 0);
+    }
+
+    #[test]
+    fn a_backup_that_is_not_there_fails_the_run() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let taken = Taken {
+            life: 0,
+            failure: None,
+            fault: None,
+        };
+        let mut tally = Tally::default();
+        check(
+            nothing_to_check,
+            &finished(dir.path()),
+            &[taken],
+            true,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.broken.get(BACKUP_FAILURES), Some(&1));
+        assert!(
+            tally.examples()[0].contains("cannot be read"),
+            "{:?}",
+            tally.examples()
+        );
+    }
 }

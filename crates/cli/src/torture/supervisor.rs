@@ -252,6 +252,7 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         let _ = child.kill();
         let status = wait(&mut child, files)?;
         let fault_fired = power.as_ref().is_some_and(PowerCuts::fault_fired);
+        let mut ended_by_fault = false;
         if killed(&status) {
             supervised.kills += 1;
         } else if !files.started().exists() && !fault_fired {
@@ -261,6 +262,7 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
             ));
         } else if armed.is_some_and(|a| a.may_end_by_itself()) && status.code() == Some(EXIT_ERROR)
         {
+            ended_by_fault = true;
             supervised.ended_by_fault.push(format!(
                 "life {life} ended by itself ({status}) after its {} fault{}",
                 armed.map_or("", |a| a.kind().name()),
@@ -275,7 +277,10 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         if let (Some(power), Some(armed)) = (power.as_mut(), armed) {
             power.cut(armed, life)?;
         }
-        if let Some(taken) = backup {
+        if let Some(mut taken) = backup {
+            if ended_by_fault {
+                taken = taken.excused_by_fault();
+            }
             supervised.backups.push(backups::restore(files, taken)?);
         }
     }
