@@ -394,6 +394,9 @@ struct Tally {
     runs: usize,
     killed_while_staging: usize,
     notes_checked: usize,
+    /// Moments between the two lives refused as a gap (the others were
+    /// restored and judged).
+    refused_as_gap: usize,
 }
 
 /// One run: write, kill, cut with `fault` and `seed`, judge. Returns its
@@ -451,6 +454,18 @@ fn run_one(
     );
     tally.notes_checked += checked;
     judge_catches_a_damaged_copy(held, &acks, killed.through_ms, &unlogged);
+    // A moment inside the killed life: from an older base, replay cut at
+    // a pass boundary inside a chunk.
+    let inside = rand::random_range(killed.bases[0].finished_ms..=killed.through_ms);
+    let (_, checked) = restore_and_judge(
+        &format!("{what}, inside the killed life"),
+        &run,
+        &run.observer.join("restored-inside"),
+        inside,
+        &acks,
+        &unlogged,
+    );
+    tally.notes_checked += checked;
 
     // 1 and 3. A host started again, archiving, writes a note per object.
     let mut both = acks.clone();
@@ -524,7 +539,7 @@ fn run_one(
     let between = first.through_ms + (new_base - first.through_ms) / 2;
     let into = run.observer.join("restored-between");
     match archive::restore_at(&run.archive, &into, between) {
-        Err(ArchiveError::InGap { .. }) => {}
+        Err(ArchiveError::InGap { .. }) => tally.refused_as_gap += 1,
         Ok(_) => {
             let (violations, checked) = judge(&held_in(&into), &both, between, &unlogged);
             assert!(
@@ -670,10 +685,12 @@ fn a_power_cut_during_archiving_loses_nothing_acknowledged() {
         tally.runs
     );
     println!(
-        "{} runs ({} killed while an archive file was staged), {} acknowledged notes checked, in {:.1?}",
+        "{} runs ({} killed while an archive file was staged), {} acknowledged notes checked, \
+         {} moments between lives refused as a gap, in {:.1?}",
         tally.runs,
         tally.killed_while_staging,
         tally.notes_checked,
+        tally.refused_as_gap,
         started.elapsed()
     );
 }
