@@ -14,6 +14,10 @@
 //!   directory (`{"last_backup": ... | null}`), which the page shows too.
 //! - `POST /api/backup` (admin, with [`Admin::backups_to`]): a backup of
 //!   every object into a new directory, see `durability_host::backup`.
+//! - `GET /api/archive`, with [`DashboardBuilder::archive`]: how far a
+//!   continuous archive reaches and how far behind it is (`url`,
+//!   `earliest_ms`, `through_ms`, `shipping`, `lag_seconds`, `lives`,
+//!   `gaps`, `error`), read from its manifest; the page shows it too.
 //! - Admin actions, only when [`DashboardBuilder::admin`] was given an
 //!   [`Admin`]: every one is a `POST` that needs `Authorization: Bearer
 //!   <token>`, compared in constant time. Without an `Admin` the routes do
@@ -53,6 +57,7 @@ use std::time::Duration;
 
 use axum::Router;
 use durability_host::Host;
+use durability_host::archive::Archive;
 
 pub use admin::{Admin, AdminError, ObjectRef};
 pub use view::{ObjectView, Overview, objects, overview};
@@ -92,6 +97,7 @@ impl Dashboard {
             title: DEFAULT_TITLE.to_owned(),
             refresh: DEFAULT_REFRESH_INTERVAL,
             admin: None,
+            archive: None,
             #[cfg(feature = "prometheus")]
             prometheus: None,
         }
@@ -113,6 +119,7 @@ pub struct DashboardBuilder {
     title: String,
     refresh: Duration,
     admin: Option<Admin>,
+    archive: Option<Arc<Archive>>,
     #[cfg(feature = "prometheus")]
     prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
@@ -135,6 +142,16 @@ impl DashboardBuilder {
     /// Enables the admin routes, guarded by `admin`'s token (default: off).
     pub fn admin(mut self, admin: Admin) -> Self {
         self.admin = Some(admin);
+        self
+    }
+
+    /// Shows the continuous archive `archive` on the page and at `GET
+    /// /api/archive`: how far back it reaches, up to when, and how far
+    /// behind the host shipping to it is, as its manifest tells (read at
+    /// each request; default: no archive shown). This is how
+    /// `durability serve --archive URL` watches a host of another process.
+    pub fn archive(mut self, archive: Archive) -> Self {
+        self.archive = Some(Arc::new(archive));
         self
     }
 
@@ -169,6 +186,7 @@ impl DashboardBuilder {
             title: self.title,
             refresh: self.refresh,
             admin: self.admin,
+            archive: self.archive,
             #[cfg(feature = "prometheus")]
             prometheus: self.prometheus,
         });

@@ -25,6 +25,34 @@ pub(crate) struct Context<'a> {
     /// How far the host's continuous archive is behind (`None`: no host,
     /// or no archive).
     pub archive_lag: Option<std::time::Duration>,
+    /// The archive the dashboard was given, as its manifest tells.
+    pub archive: Option<ArchiveView>,
+}
+
+/// An archive as the page and `GET /api/archive` show it.
+pub(crate) struct ArchiveView {
+    pub url: String,
+    /// Its manifest, or why it could not be read.
+    pub manifest: Result<durability_host::archive::ArchiveManifest, String>,
+}
+
+impl ArchiveView {
+    /// The JSON of `GET /api/archive`.
+    pub(crate) fn json(&self, now_ms: EpochMs) -> serde_json::Value {
+        match &self.manifest {
+            Ok(manifest) => serde_json::json!({
+                "url": self.url,
+                "earliest_ms": manifest.earliest_ms(),
+                "through_ms": manifest.through_ms(),
+                "shipping": manifest.shipping(),
+                "lag_seconds": manifest.lag_ms(now_ms) as f64 / 1000.0,
+                "lives": manifest.lives.len(),
+                "gaps": manifest.gaps,
+                "error": null,
+            }),
+            Err(error) => serde_json::json!({ "url": self.url, "error": error }),
+        }
+    }
 }
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -393,6 +421,63 @@ fn backup_line(html: &mut String, ctx: &Context<'_>) {
         }
         None => {}
     }
+    if let Some(archive) = &ctx.archive {
+        archive_line(html, archive, ctx.now_ms);
+    }
+}
+
+/// How far back the archive reaches and how far behind it is, as its
+/// manifest tells (`durability serve --archive URL`).
+fn archive_line(html: &mut String, archive: &ArchiveView, now_ms: EpochMs) {
+    let url = escape(&archive.url);
+    let manifest = match &archive.manifest {
+        Ok(manifest) => manifest,
+        Err(error) => {
+            let _ = write!(
+                html,
+                r#"<p class="archive behind">archive <code>{url}</code>: cannot read its manifest: {}</p>"#,
+                escape(error)
+            );
+            return;
+        }
+    };
+    let (Some(earliest), Some(through)) = (manifest.earliest_ms(), manifest.through_ms()) else {
+        let _ = write!(
+            html,
+            r#"<p class="archive behind">archive <code>{url}</code>: no base yet</p>"#
+        );
+        return;
+    };
+    if through < earliest {
+        let _ = write!(
+            html,
+            r#"<p class="archive">archive <code>{url}</code>: first base taken; restorable from the next shipment</p>"#
+        );
+        return;
+    }
+    let lag_ms = manifest.lag_ms(now_ms);
+    let state = if !manifest.shipping() {
+        "no host ships to it".to_owned()
+    } else if lag_ms <= 5_000 {
+        "caught up".to_owned()
+    } else {
+        format!("{:.1} s behind", lag_ms as f64 / 1000.0)
+    };
+    let gaps = match manifest.gaps.len() {
+        0 => String::new(),
+        n => format!(", {n} gaps"),
+    };
+    let class = if manifest.shipping() && lag_ms > 5_000 {
+        "archive behind"
+    } else {
+        "archive"
+    };
+    let _ = write!(
+        html,
+        r#"<p class="{class}">archive <code>{url}</code>: restores from {} to {}{gaps}; {state}</p>"#,
+        relative(earliest, now_ms),
+        relative(through, now_ms),
+    );
 }
 
 /// `in 3.2 s` / `12 s ago` / `in 4 min`.

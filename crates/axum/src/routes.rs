@@ -27,6 +27,7 @@ pub(crate) struct State {
     pub title: String,
     pub refresh: Duration,
     pub admin: Option<Admin>,
+    pub archive: Option<Arc<durability_host::archive::Archive>>,
     #[cfg(feature = "prometheus")]
     pub prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
@@ -46,6 +47,9 @@ pub(crate) fn router(state: Shared) -> Router {
         get(last_backup)
     };
     router = router.route("/api/backup", backup_route);
+    if state.archive.is_some() {
+        router = router.route("/api/archive", get(archive_status));
+    }
     if state.admin.is_some() {
         router = router
             .route("/api/objects/{id}/evict", post(evict))
@@ -116,13 +120,27 @@ async fn read_last_backup(state: &Shared) -> Option<durability_host::backup::Las
         .flatten()
 }
 
+/// The archive's manifest (a small file, or one GET from object storage,
+/// on the blocking pool).
+async fn read_archive(state: &Shared) -> Option<page::ArchiveView> {
+    let archive = Arc::clone(state.archive.as_ref()?);
+    let url = archive.url();
+    let manifest = tokio::task::spawn_blocking(move || archive.manifest())
+        .await
+        .map_err(|join| join.to_string())
+        .and_then(|read| read.map_err(|e| e.to_string()));
+    Some(page::ArchiveView { url, manifest })
+}
+
 fn context(
     state: &State,
     base: String,
     last_backup: Option<durability_host::backup::LastBackup>,
+    archive: Option<page::ArchiveView>,
 ) -> page::Context<'_> {
     page::Context {
         last_backup,
+        archive,
         archive_lag: state.host.as_ref().and_then(Host::archive_lag),
         base,
         title: &state.title,
@@ -161,13 +179,23 @@ type Reply = Result<Response, Refusal>;
 async fn index(Extract(state): Extract<Shared>, OriginalUri(uri): OriginalUri) -> Reply {
     let objects = read_objects(&state).await?;
     let last = read_last_backup(&state).await;
-    Ok(Html(page::full(&context(&state, base_of(&uri), last), &objects)).into_response())
+    let archive = read_archive(&state).await;
+    Ok(Html(page::full(
+        &context(&state, base_of(&uri), last, archive),
+        &objects,
+    ))
+    .into_response())
 }
 
 async fn fragment(Extract(state): Extract<Shared>) -> Reply {
     let objects = read_objects(&state).await?;
     let last = read_last_backup(&state).await;
-    Ok(Html(page::body(&context(&state, String::new(), last), &objects)).into_response())
+    let archive = read_archive(&state).await;
+    Ok(Html(page::body(
+        &context(&state, String::new(), last, archive),
+        &objects,
+    ))
+    .into_response())
 }
 
 async fn list(Extract(state): Extract<Shared>) -> Reply {
@@ -339,6 +367,13 @@ async fn purge_operations(
 async fn last_backup(Extract(state): Extract<Shared>) -> Reply {
     let last = read_last_backup(&state).await;
     Ok(Json(json!({ "last_backup": last })).into_response())
+}
+
+/// `GET /api/archive`: how far the archive the dashboard was given reaches
+/// and how far behind it is, as its manifest tells.
+async fn archive_status(Extract(state): Extract<Shared>) -> Reply {
+    let view = read_archive(&state).await.ok_or_else(not_wired)?;
+    Ok(Json(view.json(now_ms(&state))).into_response())
 }
 
 /// `POST /api/backup`: a backup into a new directory under the admin's

@@ -6,6 +6,13 @@
 //! object file read-only, so it constructs no object and changes nothing).
 //! `/` is the page and `/api/objects` the JSON (`{"objects": [...]}`); there
 //! is no admin route, since no host of this process could act.
+//!
+//! `serve DATA_DIR --archive URL` also watches the continuous archive that
+//! a host of another process ships to `URL` (`HostBuilder::archive`, or
+//! `durability demo --archive URL`): the page and `/api/archive` say how
+//! far back it reaches, up to when, and how far behind it is, read from
+//! its manifest. Shipping itself happens in the process that runs the
+//! host, since only it sees the journal's passes as they become durable.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,6 +20,7 @@ use std::time::Duration;
 
 use axum::Router;
 use durability_axum::{Dashboard, DashboardError};
+use durability_host::archive::Archive;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
@@ -27,6 +35,12 @@ pub struct ServeArgs {
     /// The address to listen on.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// Also show the continuous archive at URL (`file:///DIR` or
+    /// `s3://bucket/prefix`, credentials and endpoint from the AWS
+    /// environment variables): how far back it reaches and how far behind
+    /// it is, on the page and at `/api/archive`.
+    #[arg(long, value_name = "URL")]
+    archive: Option<String>,
 }
 
 /// Why the dashboard could not be served.
@@ -48,6 +62,12 @@ pub enum ServeError {
         addr: SocketAddr,
         #[source]
         source: std::io::Error,
+    },
+    #[error("invalid --archive {url:?}")]
+    Archive {
+        url: String,
+        #[source]
+        source: durability_host::archive::ArchiveError,
     },
     #[error("cannot build the dashboard")]
     Dashboard {
@@ -93,9 +113,22 @@ pub fn run(args: &ServeArgs) -> Result<String, ServeError> {
         .enable_all()
         .build()
         .map_err(|source| ServeError::Runtime { source })?;
+    let archive = args
+        .archive
+        .as_deref()
+        .map(|url| {
+            Archive::open_url(url).map_err(|source| ServeError::Archive {
+                url: url.to_owned(),
+                source,
+            })
+        })
+        .transpose()?;
     runtime.block_on(async {
-        let router = Dashboard::builder(dir)
-            .title(format!("durability · {}", dir.display()))
+        let mut builder = Dashboard::builder(dir).title(format!("durability · {}", dir.display()));
+        if let Some(archive) = archive {
+            builder = builder.archive(archive);
+        }
+        let router = builder
             .build()
             .map_err(|source| ServeError::Dashboard { source })?;
         let serving = Serving::start(args.listen, router).await?;

@@ -273,3 +273,87 @@ fn serve_shows_a_data_directory_read_only_without_constructing_objects() {
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("is not a readable directory"));
 }
+
+#[test]
+fn serve_with_an_archive_shows_how_far_it_reaches_while_a_demo_of_another_process_ships_to_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let url = format!("file://{}", dir.path().join("archive").display());
+    // Long enough that its host ships for several seconds.
+    let mut demo = Running::start(&[
+        "demo",
+        "--data-dir",
+        path_arg(&data),
+        "--messages",
+        "20000",
+        "--shards",
+        "2",
+        "--json",
+        "--serve",
+        "127.0.0.1:0",
+        "--archive",
+        &url,
+    ]);
+    demo.wait_for("dashboard: http://");
+    let mut serve = Running::start(&[
+        "serve",
+        path_arg(&data),
+        "--listen",
+        "127.0.0.1:0",
+        "--archive",
+        &url,
+    ]);
+    let base = Running::base_url(&serve.wait_for("serving the read-only view"));
+    let archive = || -> Value {
+        let (status, body) = get(&format!("{base}/api/archive"));
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    // While the demo's host runs it ships, and the manifest stays fresh.
+    // (Right after the first base its end is later than the last pass
+    // shipped before it: nothing is restorable until the next shipment.)
+    let restorable = |s: &Value| {
+        s["through_ms"]
+            .as_i64()
+            .zip(s["earliest_ms"].as_i64())
+            .is_some_and(|(through, earliest)| earliest <= through)
+    };
+    let mut status = archive();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !restorable(&status) {
+        assert!(std::time::Instant::now() < deadline, "no base: {status}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        status = archive();
+    }
+    assert_eq!(status["url"], url.as_str(), "{status}");
+    assert_eq!(status["error"], Value::Null, "{status}");
+    assert_eq!(
+        status["shipping"], true,
+        "the demo is still running: {status}"
+    );
+    assert!(status["lag_seconds"].as_f64().unwrap() < 30.0, "{status}");
+    let (code, page) = get(&format!("{base}/"));
+    assert_eq!(code, 200);
+    assert!(
+        page.contains(&format!("archive <code>{url}</code>")),
+        "{page}"
+    );
+
+    // The run ends and its host stops: the life closes, everything shipped.
+    demo.wait_for("the dashboard stays at");
+    let status = archive();
+    assert_eq!(status["shipping"], false, "{status}");
+    assert_eq!(status["lag_seconds"], 0.0, "{status}");
+    let (stopped, _) = demo.interrupt();
+    assert!(stopped.success());
+    let (stopped, _) = serve.interrupt();
+    assert!(stopped.success());
+
+    let refused = Command::new(env!("CARGO_BIN_EXE_durability"))
+        .args(["serve", path_arg(&data), "--archive", "gs://bucket/x"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("--archive"), "{said}");
+}

@@ -402,6 +402,50 @@ impl Archive {
     pub fn manifest(&self) -> Result<ArchiveManifest, ArchiveError> {
         load_manifest(&self.store)
     }
+
+    /// The archive's URL (`file:///...` or `s3://bucket/prefix`).
+    pub fn url(&self) -> String {
+        self.store.url()
+    }
+}
+
+impl ArchiveManifest {
+    /// The earliest moment a restore can reach: its oldest base's end
+    /// (`None`: it holds no base yet).
+    pub fn earliest_ms(&self) -> Option<EpochMs> {
+        self.lives
+            .iter()
+            .flat_map(|l| l.bases.iter().map(|b| b.finished_ms))
+            .min()
+    }
+
+    /// The latest moment a restore can reach: every pass synced at or
+    /// before it is archived (`None`: no base yet). Right after a life's
+    /// first base it is earlier than [`ArchiveManifest::earliest_ms`]
+    /// until the next shipment: nothing of that life is restorable yet.
+    pub fn through_ms(&self) -> Option<EpochMs> {
+        self.lives
+            .iter()
+            .filter(|l| !l.bases.is_empty())
+            .map(|l| l.through_ms)
+            .max()
+    }
+
+    /// Whether a host is (or was, until it died) shipping to it: its
+    /// newest life did not stop with everything shipped.
+    pub fn shipping(&self) -> bool {
+        self.lives.last().is_some_and(|l| !l.closed)
+    }
+
+    /// How far the archive is behind at `now_ms`, as its manifest tells
+    /// (a shipping host rewrites it every ship interval): zero when no
+    /// host ships, else the time since [`ArchiveManifest::through_ms`].
+    pub fn lag_ms(&self, now_ms: EpochMs) -> EpochMs {
+        match self.lives.last() {
+            Some(life) if !life.closed => now_ms.saturating_sub(life.through_ms).max(0),
+            _ => 0,
+        }
+    }
 }
 
 fn load_manifest(store: &Store) -> Result<ArchiveManifest, ArchiveError> {
@@ -693,8 +737,20 @@ impl Worker {
         let due = self
             .last_base_ms
             .is_none_or(|at| now_ms().saturating_sub(at) >= duration_ms(self.config.base_interval));
-        if due && !stopping {
+        // A host that stops before its first base would leave a life no
+        // restore can start from: it takes one on its way out (the last
+        // flush is done, so the base holds everything it shipped).
+        if due && (!stopping || self.last_base_ms.is_none()) {
             self.take_base()?;
+            if stopping {
+                // Nothing commits after the last flush: the life reaches
+                // the end of that base too.
+                let finished = self.last_base_ms;
+                if let (Some(finished), Some(life)) = (finished, self.life_mut()) {
+                    life.through_ms = life.through_ms.max(finished);
+                }
+                self.write_manifest()?;
+            }
         }
         Ok(())
     }

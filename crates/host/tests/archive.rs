@@ -420,6 +420,44 @@ fn the_archive_is_refused_in_modes_without_the_journal_naming_the_mode() {
     }
 }
 
+#[test]
+fn a_host_stopped_before_its_first_base_takes_one_on_its_way_out() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let archive_root = root.path().join("archive");
+    runtime().block_on(async {
+        // The first cycle would come a minute after the start.
+        let host = Host::builder(&data)
+            .threads(1)
+            .archive(
+                ArchiveConfig::new(&url(&archive_root))
+                    .unwrap()
+                    .ship_interval(Duration::from_secs(60)),
+            )
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        notes
+            .stub(&name(0))
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.add("7") })
+            .await
+            .unwrap()
+            .unwrap();
+        host.shutdown().await;
+    });
+    let manifest = archive::read_manifest(&archive_root).unwrap();
+    let life = &manifest.lives[0];
+    assert!(life.closed, "{manifest:?}");
+    assert_eq!(life.bases.len(), 1, "{manifest:?}");
+    let restored = root.path().join("restored");
+    archive::restore_at(&archive_root, &restored, life.through_ms).unwrap();
+    let id = durability_host::inspect::list_objects(&restored).unwrap()[0]
+        .id
+        .clone();
+    assert_eq!(notes_in(&restored, &ObjectId::new(id)), vec![7]);
+}
+
 // ---- A store that fails -------------------------------------------------
 
 #[test]

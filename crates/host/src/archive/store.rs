@@ -182,6 +182,14 @@ impl Store {
         }
     }
 
+    /// The store's URL.
+    pub(crate) fn url(&self) -> String {
+        match self {
+            Store::Directory(root) => ArchiveLocation::Directory(root.clone()).url(),
+            Store::S3(s3) => s3.url.clone(),
+        }
+    }
+
     /// The name of file `rel` in errors and reports: its local path, or
     /// its `s3://` URL.
     pub(crate) fn name(&self, rel: &str) -> PathBuf {
