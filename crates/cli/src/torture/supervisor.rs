@@ -244,7 +244,14 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         std::thread::sleep(Duration::from_millis(delay));
         // The kill waits for the backup: it is taken while the host serves.
         let backup = if backup_during && backups::serving(&mut child, files)? {
-            Some(backups::back_up(files, life)?)
+            let taken = backups::back_up(files, life)?;
+            let broken_disk = armed.is_some_and(|a| a.may_end_by_itself())
+                && power.as_ref().is_some_and(PowerCuts::fault_fired);
+            Some(if broken_disk {
+                taken.excused_by_fault()
+            } else {
+                taken
+            })
         } else {
             None
         };
@@ -252,7 +259,6 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         let _ = child.kill();
         let status = wait(&mut child, files)?;
         let fault_fired = power.as_ref().is_some_and(PowerCuts::fault_fired);
-        let mut ended_by_fault = false;
         if killed(&status) {
             supervised.kills += 1;
         } else if !files.started().exists() && !fault_fired {
@@ -262,7 +268,6 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
             ));
         } else if armed.is_some_and(|a| a.may_end_by_itself()) && status.code() == Some(EXIT_ERROR)
         {
-            ended_by_fault = true;
             supervised.ended_by_fault.push(format!(
                 "life {life} ended by itself ({status}) after its {} fault{}",
                 armed.map_or("", |a| a.kind().name()),
@@ -277,10 +282,7 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
         if let (Some(power), Some(armed)) = (power.as_mut(), armed) {
             power.cut(armed, life)?;
         }
-        if let Some(mut taken) = backup {
-            if ended_by_fault {
-                taken = taken.excused_by_fault();
-            }
+        if let Some(taken) = backup {
             supervised.backups.push(backups::restore(files, taken)?);
         }
     }
