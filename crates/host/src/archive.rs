@@ -758,6 +758,13 @@ impl Worker {
     /// Reads the manifest (or starts one) and adds this life.
     fn load(&mut self) -> Cycle {
         self.store.prepare()?;
+        let removed = self.store.remove_leftovers()?;
+        if removed > 0 {
+            tracing::info!(
+                removed,
+                "removed the half-written files an earlier host left in the archive"
+            );
+        }
         let mut manifest = match load_manifest(&self.store) {
             Ok(manifest) => manifest,
             Err(ArchiveError::NotAnArchive { .. }) => ArchiveManifest {

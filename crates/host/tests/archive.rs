@@ -458,6 +458,40 @@ fn a_host_stopped_before_its_first_base_takes_one_on_its_way_out() {
     assert_eq!(notes_in(&restored, &ObjectId::new(id)), vec![7]);
 }
 
+#[test]
+fn the_next_host_removes_the_half_written_files_a_killed_one_left_in_the_archive() {
+    let root = tempfile::tempdir().unwrap();
+    let (archive_root, _) = archived_rounds(root.path());
+    let life = archive::read_manifest(&archive_root).unwrap().lives[0]
+        .id
+        .clone();
+    let lives = archive_root.join("lives").join(&life);
+    // What a writer killed mid-file leaves: a staged manifest, a staged
+    // chunk, a base being copied.
+    let leftovers = [
+        archive_root.join(".archive.json.4242.tmp"),
+        lives.join("passes/.00000000000000000001-00000000000000999999.passes.4242.tmp"),
+        lives.join("bases/.1796620049127.partial-4242-7/objects/ab/copy.sqlite"),
+    ];
+    for file in &leftovers {
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(file, b"half written").unwrap();
+    }
+    let data = root.path().join("data");
+    runtime().block_on(async {
+        let host = archived_host(&data, &archive_root);
+        while archive::read_manifest(&archive_root).unwrap().lives.len() < 2 {
+            tokio::time::sleep(SHIP_EVERY).await;
+        }
+        host.shutdown().await;
+    });
+    for file in &leftovers {
+        assert!(!file.exists(), "{} is still there", file.display());
+    }
+    assert!(!lives.join("bases/.1796620049127.partial-4242-7").exists());
+    archive::verify(&archive_root).unwrap();
+}
+
 // ---- A store that fails -------------------------------------------------
 
 #[test]

@@ -215,6 +215,45 @@ impl Store {
         }
     }
 
+    /// Removes what a writer killed mid-file left in a local archive: the
+    /// hidden temporary files of [`put_file`] (`.NAME.PID.tmp`) and the
+    /// hidden directories of a base being copied (`.NAME.partial-*`).
+    /// Nothing names them, so a restore never reads them, but a
+    /// half-copied base can be as large as a whole one. Object storage
+    /// has none: a PUT is whole or absent. Call only while no other host
+    /// ships to the same archive (one archive per data directory).
+    pub(crate) fn remove_leftovers(&self) -> Result<u64, ArchiveError> {
+        let Store::Directory(root) = self else {
+            return Ok(0);
+        };
+        let mut removed = 0;
+        let mut pending = vec![root.clone()];
+        while let Some(folder) = pending.pop() {
+            let entries = match std::fs::read_dir(&folder) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io(&folder)(e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(io(&folder))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let path = entry.path();
+                let is_dir = entry.file_type().map_err(io(&path))?.is_dir();
+                let hidden = name.starts_with('.');
+                if hidden && is_dir && name.contains(".partial-") {
+                    std::fs::remove_dir_all(&path).map_err(io(&path))?;
+                    removed += 1;
+                } else if hidden && !is_dir && name.ends_with(".tmp") {
+                    std::fs::remove_file(&path).map_err(io(&path))?;
+                    removed += 1;
+                } else if is_dir {
+                    pending.push(path);
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     /// Writes `bytes` as file `rel`, whole or not at all.
     pub(crate) fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<(), ArchiveError> {
         match self {
