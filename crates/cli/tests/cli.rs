@@ -263,6 +263,14 @@ fn bench_operations_quick_writes_the_headline_and_cpu_per_operation() {
     // Five modes (the default, its per-WAL flush, FULL, NORMAL, the
     // default with an archive), two placements, two caller counts.
     assert_eq!(end_to_end.len(), 20, "{result}");
+    // The archive's cost from paired rounds (one in a quick run).
+    for key in [
+        "archive_cost_percent",
+        "archive_cost_min_percent",
+        "archive_cost_max_percent",
+    ] {
+        assert!(result["figures"][key].is_number(), "{key}: {result}");
+    }
     for m in end_to_end {
         let (total, user, sys) = (
             m["cpu_us_per_op"].as_f64(),

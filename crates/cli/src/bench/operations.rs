@@ -31,7 +31,7 @@ use tokio::sync::Notify;
 use super::host_calls::{count, drive};
 use super::rss;
 use super::sqlite_floor::{self, SyncMode};
-use super::{BenchEnv, BenchError, Measurement, ScenarioReport};
+use super::{BenchEnv, BenchError, Figure, Measurement, ScenarioReport};
 use crate::modes::MODES;
 
 /// The key of the default mode with a continuous archive.
@@ -39,6 +39,9 @@ const ARCHIVED: &str = "default-archived";
 
 /// The scenario's name on the command line and in the JSON.
 pub const NAME: &str = "operations";
+
+/// Paired rounds of the archive's cost (default against default-archived).
+const ARCHIVE_COST_ROUNDS: usize = 5;
 
 /// Registrations in flight at once.
 const CALLERS: usize = 64;
@@ -135,12 +138,13 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
             format!("1 or {CALLERS} callers register no-op operations; ops/s = end to end, from the first registration until the last completion committed; p50/p99 = one registration call as its caller waits for it (the reply is released once durable in the default mode)"),
             "÷ floor: end-to-end ops/s divided by full/write, raw SQLite committing one row per transaction with synchronous=FULL, measured in the same run".into(),
             "cpu_us_per_op (JSON): CPU time of the whole process (every thread: host, flusher, callers) from the first registration to the last completion, per operation".into(),
+            format!("archive_cost_percent (JSON): how many fewer ops/s {ARCHIVED} makes than default at the headline's placement, the median of {ARCHIVE_COST_ROUNDS} paired rounds run back to back in alternating order (min and max beside it); the {ARCHIVED} rows above ran once, after the other modes"),
         ],
     };
+    let phases = [(1, env.size(2_000, 100)), (CALLERS, env.size(20_000, 500))];
     runtime.block_on(async {
         // The default mode once more with a continuous archive to a local
-        // directory (a base, then every synced journal pass): its cost is
-        // this variant's ops/s against the default's, in the same run.
+        // directory (a base, then every synced journal pass).
         let variants = MODES
             .iter()
             .map(|mode| (*mode, mode.key, false))
@@ -150,29 +154,85 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
                 ("one-object".to_owned(), 1),
                 (format!("{many}-objects"), many),
             ] {
-                let dir = env.subdir(&format!("operations-{key}-{placement}"))?;
-                let mut builder = mode.builder(&dir).threads(threads);
-                if archived {
-                    let archive = env.subdir(&format!("operations-{key}-{placement}-archive"))?;
-                    let config = ArchiveConfig::new(&format!("file://{}", archive.display()))
-                        .map_err(|error| BenchError::Archive {
-                            message: error.to_string(),
-                        })?;
-                    builder = builder.archive(config);
-                }
-                let host = builder.build()?;
-                let done = Arc::new(Completions::default());
-                let hooks = Arc::clone(&done);
-                let ns = host.namespace::<OpsObject>("ops", move |ctx| {
-                    OpsObject::construct(ctx, Arc::clone(&hooks))
-                })?;
-                let stubs: Vec<Stub<OpsObject>> = (0..objects)
-                    .map(|i| ns.stub(&format!("ops-{i}")))
-                    .collect::<Result<_, _>>()?;
                 let label = format!("{key}/{placement}");
-                let measured = measure(env, &label, stubs, &done, &floor).await;
-                host.shutdown().await;
-                report.measurements.extend(measured?);
+                let measured = run_on_host(
+                    env,
+                    Placement {
+                        mode,
+                        label: &label,
+                        archived,
+                        objects,
+                        threads,
+                    },
+                    &phases,
+                    &floor,
+                )
+                .await?;
+                report.measurements.extend(measured);
+            }
+        }
+        // The archive's cost, paired: the headline's placement without and
+        // with the archive, back to back in alternating order (A B, B A,
+        // ...), so a shared machine's drift falls on both; the figure is
+        // the median of the rounds' ratios.
+        let rounds = if env.quick() { 1 } else { ARCHIVE_COST_ROUNDS };
+        let mut costs = Vec::new();
+        for round in 0..rounds {
+            let order = if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            let mut rates = [0.0f64; 2];
+            for archived in order {
+                let key = if archived { ARCHIVED } else { MODES[0].key };
+                let label = format!("archive-cost-{round}/{key}/{many}-objects");
+                let measured = run_on_host(
+                    env,
+                    Placement {
+                        mode: MODES[0],
+                        label: &label,
+                        archived,
+                        objects: many,
+                        threads,
+                    },
+                    &phases[1..],
+                    &floor,
+                )
+                .await?;
+                rates[usize::from(archived)] =
+                    measured.iter().map(Measurement::ops_per_sec).sum::<f64>();
+            }
+            if rates[0] > 0.0 {
+                costs.push(100.0 * (1.0 - rates[1] / rates[0]));
+            }
+        }
+        costs.sort_by(f64::total_cmp);
+        if let (Some(low), Some(high)) = (costs.first(), costs.last()) {
+            let median = costs[costs.len() / 2];
+            for (key, label, value) in [
+                (
+                    "archive_cost_percent",
+                    "archive cost: fewer ops/s than default (median of paired rounds)",
+                    median,
+                ),
+                (
+                    "archive_cost_min_percent",
+                    "archive cost, lowest round",
+                    *low,
+                ),
+                (
+                    "archive_cost_max_percent",
+                    "archive cost, highest round",
+                    *high,
+                ),
+            ] {
+                report.figures.push(Figure {
+                    key,
+                    label: format!("{label}, {many} objects, {CALLERS} callers"),
+                    value: tenths(value),
+                    unit: "%",
+                });
             }
         }
         Ok::<_, BenchError>(())
@@ -180,13 +240,59 @@ pub fn run(env: &BenchEnv) -> Result<ScenarioReport, BenchError> {
     Ok(report)
 }
 
-/// Registers operations over `stubs` with one caller, then with
-/// [`CALLERS`], each time waiting for every completion.
+/// Where one measurement runs: a host of `mode` (with an archive when
+/// `archived`) over `objects` objects.
+struct Placement<'a> {
+    mode: crate::modes::Mode,
+    label: &'a str,
+    archived: bool,
+    objects: usize,
+    threads: usize,
+}
+
+/// Builds the host of `at` in a fresh directory, measures `phases` on it
+/// and shuts it down.
+async fn run_on_host(
+    env: &BenchEnv,
+    at: Placement<'_>,
+    phases: &[(usize, u64)],
+    floor: &Measurement,
+) -> Result<Vec<Measurement>, BenchError> {
+    let dir_name = at.label.replace('/', "-");
+    let dir = env.subdir(&format!("operations-{dir_name}"))?;
+    let mut builder = at.mode.builder(&dir).threads(at.threads);
+    if at.archived {
+        let archive = env.subdir(&format!("operations-{dir_name}-archive"))?;
+        let config =
+            ArchiveConfig::new(&format!("file://{}", archive.display())).map_err(|error| {
+                BenchError::Archive {
+                    message: error.to_string(),
+                }
+            })?;
+        builder = builder.archive(config);
+    }
+    let host = builder.build()?;
+    let done = Arc::new(Completions::default());
+    let hooks = Arc::clone(&done);
+    let ns = host.namespace::<OpsObject>("ops", move |ctx| {
+        OpsObject::construct(ctx, Arc::clone(&hooks))
+    })?;
+    let stubs: Vec<Stub<OpsObject>> = (0..at.objects)
+        .map(|i| ns.stub(&format!("ops-{i}")))
+        .collect::<Result<_, _>>()?;
+    let measured = measure(env, at.label, stubs, &done, phases, floor).await;
+    host.shutdown().await;
+    measured
+}
+
+/// Registers operations over `stubs` with each `(callers, total)` of
+/// `phases` in turn, each time waiting for every completion.
 async fn measure(
     env: &BenchEnv,
     label: &str,
     stubs: Vec<Stub<OpsObject>>,
     done: &Completions,
+    phases: &[(usize, u64)],
     floor: &Measurement,
 ) -> Result<Vec<Measurement>, BenchError> {
     // Construct every object first, so the figures are steady state.
@@ -196,7 +302,7 @@ async fn measure(
     let objects = stubs.len();
     let stubs = Arc::new(stubs);
     let mut measured = Vec::new();
-    for (callers, total) in [(1, env.size(2_000, 100)), (CALLERS, env.size(20_000, 500))] {
+    for &(callers, total) in phases {
         let name = format!("{label}/{callers}-callers");
         let expected = done.expect(total);
         let cpu_before = rss::cpu_time();
