@@ -35,8 +35,8 @@ use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
-    parse_failure_marker,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows,
+    parse_failure_marker, system_now_ms,
 };
 
 /// Attempts per occurrence, the first included.
@@ -192,7 +192,7 @@ impl Workload for AlarmsWorkload {
                 object.alarms.schedule(&name, scheduled_time).await
             })
             .await??;
-            schedule.acked_ms = Some(acked_now_ms());
+            schedule.acked_ms = Some(system_now_ms());
             produced.append(&Produced::Accepted(schedule))?;
             Life::pace(&mut rng).await;
         }
@@ -301,21 +301,21 @@ fn copy_presence(
         let Produced::Accepted(schedule) = fact else {
             continue;
         };
-        if !copy.must_hold(&schedule.object, schedule.acked_ms) {
+        let Some(acked_ms) = copy.must_hold(&schedule.object, schedule.acked_ms) else {
             continue;
-        }
+        };
         let key = (schedule.object.clone(), schedule.name.clone());
         let stored = rows.get(&key).copied();
         let at_or_after = |at: EpochMs| at >= schedule.scheduled_time;
         presence.item(
             stored.is_some_and(at_or_after) || fired.get(&key).copied().is_some_and(at_or_after),
+            acked_ms,
             || {
                 format!(
-                    "item {} ({} at {}) was accepted at {} and never fired, but the restored copy of {} stores {}",
+                    "item {} ({} at {}) was accepted at {acked_ms} and never fired, but the restored copy of {} stores {}",
                     schedule.item,
                     schedule.name,
                     schedule.scheduled_time,
-                    schedule.acked_ms.unwrap_or_default(),
                     copy.describe(&schedule.object),
                     stored.map_or("no row".to_owned(), |at| format!("the name at {at}"))
                 )

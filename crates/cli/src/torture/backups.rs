@@ -43,6 +43,11 @@ pub const BACKUP_FAILURES: &str = "backup_failures";
 /// after the life's injected eio or enospc fault had fired.
 pub const BACKUPS_FAILED_BY_FAULT: &str = "backups_failed_by_fault";
 
+/// The verdict's name (among the allowed findings) for items missing from
+/// a copy that a power cut before the copy's life may have lost, in a mode
+/// that lets a cut lose an acknowledged item (`normal`).
+pub const BACKUP_ITEMS_LOST_ALLOWED: &str = "backup_items_lost_allowed";
+
 /// How long a life may take to start its host before the supervisor gives
 /// up backing it up: far above a start's tens of milliseconds, so only a
 /// host that refused to start (a failure the supervisor reports anyway)
@@ -62,6 +67,12 @@ const STDERR_LINES: usize = 6;
 pub struct Taken {
     /// The life that was serving the directory.
     pub life: u32,
+    /// When the supervisor started that life (system clock): every item
+    /// acknowledged before it was acknowledged in an earlier life, with
+    /// that life's death (a power cut, with `--power-cut`) between it and
+    /// the copy.
+    #[serde(default)]
+    pub life_started_ms: Option<EpochMs>,
     /// Why the backup or its restore failed; `None` when both worked.
     pub failure: Option<String>,
     /// Why the backup failed when the life's injected eio or enospc fault
@@ -121,8 +132,8 @@ pub fn serving(child: &mut Child, files: &Files) -> Result<bool, TortureError> {
 }
 
 /// Backs up the data directory with `durability backup`, as an operator
-/// would, while life `life` serves it.
-pub fn back_up(files: &Files, life: u32) -> Result<Taken, TortureError> {
+/// would, while life `life` (started at `life_started_ms`) serves it.
+pub fn back_up(files: &Files, life: u32, life_started_ms: EpochMs) -> Result<Taken, TortureError> {
     let dest = files.backup(life);
     create_parent(&dest)?;
     let output = durability(&[
@@ -133,6 +144,7 @@ pub fn back_up(files: &Files, life: u32) -> Result<Taken, TortureError> {
     ])?;
     Ok(Taken {
         life,
+        life_started_ms: Some(life_started_ms),
         failure: failure("backup", life, &output),
         fault: None,
     })
@@ -223,15 +235,14 @@ impl BackupCopy {
     /// resolution). An object the backup does not list must have been in
     /// it when an item of it was accepted before the backup began. A
     /// journal line without its moment (written by an older build) is not
-    /// checked.
-    pub fn must_hold(&self, object: &str, acked_ms: Option<EpochMs>) -> bool {
-        let Some(acked_ms) = acked_ms else {
-            return false;
-        };
-        match self.copied_ms.get(object) {
+    /// checked. Returns the item's moment when the copy must hold it.
+    pub fn must_hold(&self, object: &str, acked_ms: Option<EpochMs>) -> Option<EpochMs> {
+        let acked_ms = acked_ms?;
+        let before = match self.copied_ms.get(object) {
             Some(&copied_ms) => acked_ms < copied_ms,
             None => acked_ms < self.started_ms,
-        }
+        };
+        before.then_some(acked_ms)
     }
 
     /// How the copy of `object` was taken, for a message.
@@ -255,17 +266,29 @@ impl BackupCopy {
 pub struct Presence {
     /// Items the copy had to record.
     pub checked: u64,
-    /// A message per item it did not, naming the item and its object.
-    pub missing: Vec<String>,
+    /// The items it did not.
+    pub missing: Vec<Missing>,
+}
+
+/// An item a copy had to record and does not.
+#[derive(Debug)]
+pub struct Missing {
+    /// When it was acknowledged.
+    pub acked_ms: EpochMs,
+    /// What it is, in which object, and what the copy holds instead.
+    pub message: String,
 }
 
 impl Presence {
-    /// Counts one item the copy had to record; `missing` says why it is
-    /// not there, built only if it is not.
-    pub fn item(&mut self, present: bool, missing: impl FnOnce() -> String) {
+    /// Counts one item acknowledged at `acked_ms` that the copy had to
+    /// record; `message` says why it is not there, built only if it is not.
+    pub fn item(&mut self, present: bool, acked_ms: EpochMs, message: impl FnOnce() -> String) {
         self.checked += 1;
         if !present {
-            self.missing.push(missing());
+            self.missing.push(Missing {
+                acked_ms,
+                message: message(),
+            });
         }
     }
 }
@@ -349,8 +372,21 @@ pub fn check(
         match check_copy(&copy) {
             Ok(presence) => {
                 tally.backup_items_checked += presence.checked;
-                for message in presence.missing {
-                    tally.flag(Violation::MissingFromBackup, message);
+                for missing in presence.missing {
+                    // What the final check allows (`lost_allowed`), the
+                    // copy may lack too: an item acknowledged before a cut
+                    // in a mode that lets a cut lose it. Items acknowledged
+                    // in the copy's own life had no cut before the copy.
+                    let lost_to_a_cut = run.allowance.lost
+                        && taken
+                            .life_started_ms
+                            .is_some_and(|started| missing.acked_ms < started);
+                    tally.flag_or_allow(
+                        lost_to_a_cut,
+                        BACKUP_ITEMS_LOST_ALLOWED,
+                        Violation::MissingFromBackup,
+                        missing.message,
+                    );
                 }
             }
             // A copy the checker cannot read is damaged; counted once if
@@ -402,11 +438,19 @@ mod tests {
             copied_ms: BTreeMap::from([("listed".to_owned(), 1_000)]),
             started_ms: 900,
         };
-        assert!(copy.must_hold("listed", Some(999)));
-        assert!(!copy.must_hold("listed", Some(1_000)), "same millisecond");
-        assert!(!copy.must_hold("listed", None), "an undated journal line");
-        assert!(copy.must_hold("unlisted", Some(899)));
-        assert!(!copy.must_hold("unlisted", Some(900)));
+        assert_eq!(copy.must_hold("listed", Some(999)), Some(999));
+        assert_eq!(
+            copy.must_hold("listed", Some(1_000)),
+            None,
+            "same millisecond"
+        );
+        assert_eq!(
+            copy.must_hold("listed", None),
+            None,
+            "an undated journal line"
+        );
+        assert_eq!(copy.must_hold("unlisted", Some(899)), Some(899));
+        assert_eq!(copy.must_hold("unlisted", Some(900)), None);
     }
 
     #[test]
@@ -414,6 +458,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let failed = Taken {
             life: 3,
+            life_started_ms: None,
             failure: Some("`durability backup` ... failed".into()),
             fault: None,
         };
@@ -472,6 +517,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let taken = Taken {
             life: 0,
+            life_started_ms: None,
             failure: None,
             fault: None,
         };
@@ -490,5 +536,56 @@ mod tests {
             "{:?}",
             tally.examples()
         );
+    }
+
+    /// Two items missing from a real (empty) backup's copy: one
+    /// acknowledged at 5, before the copy's life began at 10, one at 15,
+    /// in it.
+    fn two_missing(_: &BackupCopy) -> Result<Presence, TortureError> {
+        let mut presence = Presence::default();
+        presence.item(false, 5, || "op-1 from an earlier life".into());
+        presence.item(false, 15, || "op-2 from the copy's life".into());
+        Ok(presence)
+    }
+
+    #[test]
+    fn a_missing_item_fails_the_run_unless_the_mode_lets_a_cut_before_the_copy_lose_it() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let mut run = finished(dir.path());
+        std::fs::create_dir_all(run.files.data()).unwrap_or_else(|e| panic!("{e}"));
+        std::fs::create_dir_all(run.files.dir().join("backups")).unwrap_or_else(|e| panic!("{e}"));
+        durability_host::backup_dir(run.files.data(), run.files.backup(2))
+            .unwrap_or_else(|e| panic!("backup: {e}"));
+        let taken = Taken {
+            life: 2,
+            life_started_ms: Some(10),
+            failure: None,
+            fault: None,
+        };
+
+        let mut tally = Tally::default();
+        check(
+            two_missing,
+            &run,
+            std::slice::from_ref(&taken),
+            true,
+            &mut tally,
+        )
+        .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!((tally.backups, tally.backup_items_checked), (1, 2));
+        assert_eq!(tally.backup_items_missing, 2);
+        assert_eq!(tally.violations(), 2, "{:?}", tally.examples());
+
+        run.allowance.lost = true;
+        let mut tally = Tally::default();
+        check(two_missing, &run, &[taken], true, &mut tally)
+            .unwrap_or_else(|e| panic!("check: {e}"));
+        assert_eq!(tally.backup_items_missing, 1, "{:?}", tally.examples());
+        assert!(
+            tally.examples()[0].contains("op-2"),
+            "{:?}",
+            tally.examples()
+        );
+        assert_eq!(tally.allowed.get(BACKUP_ITEMS_LOST_ALLOWED), Some(&1));
     }
 }

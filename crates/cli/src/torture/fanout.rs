@@ -49,8 +49,8 @@ use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
-    roll,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows, roll,
+    system_now_ms,
 };
 
 /// The consumer target.
@@ -454,7 +454,7 @@ impl Workload for FanoutWorkload {
                     object,
                     items,
                     ids: value,
-                    acked_ms: Some(acked_now_ms()),
+                    acked_ms: Some(system_now_ms()),
                 },
                 EnqueueResult::Rejected { error, .. } => Produced::Rejected {
                     object,
@@ -694,20 +694,20 @@ fn copy_presence(
         else {
             continue;
         };
-        if !copy.must_hold(object, *acked_ms) {
+        let Some(acked_ms) = copy.must_hold(object, *acked_ms) else {
             continue;
-        }
+        };
         for id in ids {
             for target in TARGETS {
                 let slot = (object.clone(), delivery_key(id, target));
                 if !seen.insert(slot.clone()) {
                     continue;
                 }
-                presence.item(recorded.contains(&slot) || ended.contains(&slot), || {
+                let present = recorded.contains(&slot) || ended.contains(&slot);
+                presence.item(present, acked_ms, || {
                     format!(
-                        "{} was accepted at {} but is neither in the restored copy of {} nor ended",
+                        "{} was accepted at {acked_ms} but is neither in the restored copy of {} nor ended",
                         slot.1,
-                        acked_ms.unwrap_or_default(),
                         copy.describe(object)
                     )
                 });

@@ -53,7 +53,7 @@ use super::TortureError;
 use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
-use super::workload::{Finished, HandlerEnv, Life, Objects, Workload, acked_now_ms};
+use super::workload::{Finished, HandlerEnv, Life, Objects, Workload, system_now_ms};
 
 /// Consecutive items that go to one partition, so a batch has several.
 const ITEMS_PER_BLOCK: u64 = 5;
@@ -460,7 +460,7 @@ impl Workload for LogWorkload {
                 Appended::Accepted { offsets, .. } => Produced::Appended {
                     object,
                     end_before,
-                    acked_ms: Some(acked_now_ms()),
+                    acked_ms: Some(system_now_ms()),
                     records: batch
                         .iter()
                         .zip(offsets)
@@ -703,20 +703,19 @@ fn copy_presence(
         else {
             continue;
         };
-        if !copy.must_hold(object, *acked_ms) {
+        let Some(acked_ms) = copy.must_hold(object, *acked_ms) else {
             continue;
-        }
+        };
         let log = stored.get(object);
         for record in records {
             if !seen.insert((object.as_str(), record.key.as_str())) {
                 continue;
             }
-            presence.item(log.is_some_and(|log| log.holds(record)), || {
+            presence.item(log.is_some_and(|log| log.holds(record)), acked_ms, || {
                 format!(
-                    "{} at offset {} was accepted at {} but is neither hot nor in an indexed segment in the restored copy of {}",
+                    "{} at offset {} was accepted at {acked_ms} but is neither hot nor in an indexed segment in the restored copy of {}",
                     record.key,
                     record.offset,
-                    acked_ms.unwrap_or_default(),
                     copy.describe(object)
                 )
             });

@@ -31,8 +31,8 @@ use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, acked_now_ms, count_rows,
-    parse_failure_marker,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Outcome, Workload, count_rows,
+    parse_failure_marker, system_now_ms,
 };
 
 /// The workload's one operation.
@@ -174,7 +174,7 @@ impl Workload for OperationsWorkload {
                 id,
                 object: stub.id().to_string(),
                 created: registration == Registration::Created,
-                acked_ms: Some(acked_now_ms()),
+                acked_ms: Some(system_now_ms()),
             })?;
             Life::pace(&mut rng).await;
         }
@@ -257,15 +257,17 @@ fn copy_presence(
     let mut presence = Presence::default();
     let mut seen = HashSet::new();
     for fact in produced {
-        if !copy.must_hold(&fact.object, fact.acked_ms) || !seen.insert(fact.id.as_str()) {
+        let Some(acked_ms) = copy.must_hold(&fact.object, fact.acked_ms) else {
+            continue;
+        };
+        if !seen.insert(fact.id.as_str()) {
             continue;
         }
         let present = rows.contains(&(fact.object.clone(), fact.id.clone()));
-        presence.item(present, || {
+        presence.item(present, acked_ms, || {
             format!(
-                "{} was accepted at {} but has no row in the restored copy of {}",
+                "{} was accepted at {acked_ms} but has no row in the restored copy of {}",
                 fact.id,
-                fact.acked_ms.unwrap_or_default(),
                 copy.describe(&fact.object)
             )
         });

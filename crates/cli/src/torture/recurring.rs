@@ -56,7 +56,7 @@ use super::backups::{BackupCopy, Presence};
 use super::journal::{self, Journal};
 use super::verdict::{Tally, Violation};
 use super::workload::{
-    AttemptFact, Finished, HandlerEnv, Life, Objects, Workload, acked_now_ms, count_rows,
+    AttemptFact, Finished, HandlerEnv, Life, Objects, Workload, count_rows, system_now_ms,
 };
 
 /// Attempts per occurrence, the first included.
@@ -268,7 +268,7 @@ impl Workload for RecurringWorkload {
             produced.append(&Registered {
                 object: stub.id().to_string(),
                 names: SCHEDULES.iter().map(|spec| spec.name.to_owned()).collect(),
-                acked_ms: acked_now_ms(),
+                acked_ms: system_now_ms(),
             })?;
         }
         if life.is_final {
@@ -357,18 +357,17 @@ fn copy_presence(
     let mut presence = Presence::default();
     let mut seen = HashSet::new();
     for fact in produced {
-        if !copy.must_hold(&fact.object, Some(fact.acked_ms)) {
+        let Some(acked_ms) = copy.must_hold(&fact.object, Some(fact.acked_ms)) else {
             continue;
-        }
+        };
         for name in &fact.names {
             let key = (fact.object.clone(), name.clone());
             if !seen.insert(key.clone()) {
                 continue;
             }
-            presence.item(rows.contains(&key), || {
+            presence.item(rows.contains(&key), acked_ms, || {
                 format!(
-                    "schedule {name} was registered at {} but is not in the restored copy of {}",
-                    fact.acked_ms,
+                    "schedule {name} was registered at {acked_ms} but is not in the restored copy of {}",
                     copy.describe(&fact.object)
                 )
             });

@@ -30,7 +30,7 @@ use super::backups::{self, Taken};
 use super::child::{EXIT_UNSETTLED, SETTLE_TIMEOUT};
 use super::power_cut::{CutsDone, FaultKind, PowerCuts};
 use super::verdict::{Tally, Violation};
-use super::workload::{Files, ITEMS_PER_LIFE, Manifest, roll};
+use super::workload::{Files, ITEMS_PER_LIFE, Manifest, roll, system_now_ms};
 use crate::modes::Mode;
 
 /// The earliest moment after its start that a life is killed, in
@@ -239,12 +239,13 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
     for life in 0..kills {
         let armed = power.as_ref().map(|power| power.arm(life));
         clear_started(files)?;
+        let life_started_ms = system_now_ms();
         let mut child = spawn(&life_of(life, false), files)?;
         let delay = moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
         std::thread::sleep(Duration::from_millis(delay));
         // The kill waits for the backup: it is taken while the host serves.
         let backup = if backup_during && backups::serving(&mut child, files)? {
-            let taken = backups::back_up(files, life)?;
+            let taken = backups::back_up(files, life, life_started_ms)?;
             let broken_disk = armed.is_some_and(|a| a.may_end_by_itself())
                 && power.as_ref().is_some_and(PowerCuts::fault_fired);
             Some(if broken_disk {
@@ -289,13 +290,14 @@ pub fn supervise(plan: &Plan<'_>, files: &Files) -> Result<Supervised, TortureEr
 
     let started = Instant::now();
     clear_started(files)?;
+    let life_started_ms = system_now_ms();
     let mut child = spawn(&life_of(kills, true), files)?;
     // A final life that ended before the backup's moment leaves a stopped
     // directory, which is backed up all the same: every run gets a backup.
     let backup = if backup_during && backups::serving(&mut child, files)? {
         let delay = backup_moments.random_range(KILL_DELAY_MIN_MS..=KILL_DELAY_MAX_MS);
         std::thread::sleep(Duration::from_millis(delay));
-        Some(backups::back_up(files, kills)?)
+        Some(backups::back_up(files, kills, life_started_ms)?)
     } else {
         None
     };

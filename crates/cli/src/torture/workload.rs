@@ -238,12 +238,12 @@ impl Life {
     }
 }
 
-/// The system clock in epoch milliseconds, read by a producer right after
+/// The system clock in epoch milliseconds. A producer reads it right after
 /// a call returned: the moment the item was acknowledged, journaled with it
 /// so a backup's `copied_ms` (the same machine's system clock, read by the
 /// backup process) says whether the copy must hold the item. Not the
 /// host's clock: a test host's may be paused. A clock before 1970 reads 0.
-pub fn acked_now_ms() -> EpochMs {
+pub fn system_now_ms() -> EpochMs {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| {
