@@ -492,6 +492,117 @@ fn the_next_host_removes_the_half_written_files_a_killed_one_left_in_the_archive
     archive::verify(&archive_root).unwrap();
 }
 
+/// Base directories of the archive at `root`, as the disk holds them.
+fn base_dirs_on_disk(root: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for life in std::fs::read_dir(root.join("lives")).unwrap() {
+        let bases = life.unwrap().path().join("bases");
+        if let Ok(entries) = std::fs::read_dir(bases) {
+            dirs.extend(entries.map(|e| e.unwrap().path()));
+        }
+    }
+    dirs.sort();
+    dirs
+}
+
+#[test]
+fn retention_drops_old_bases_and_the_chunks_before_them_keeping_every_moment_it_promises() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let archive_root = root.path().join("archive");
+    let retention = Duration::from_millis(400);
+    let mut written = Vec::new();
+    let started = epoch_ms();
+    runtime().block_on(async {
+        let host = Host::builder(&data)
+            .threads(2)
+            .archive(
+                ArchiveConfig::new(&url(&archive_root))
+                    .unwrap()
+                    .ship_interval(SHIP_EVERY)
+                    .base_interval(Duration::from_millis(150))
+                    .retention(retention),
+            )
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        // Notes over about 2 s: a dozen bases, most of them past retention.
+        for seq in 0..40u64 {
+            let text = seq.to_string();
+            notes
+                .stub(&name(seq as usize % OBJECTS))
+                .unwrap()
+                .call(move |o: Rc<Notes>| async move { o.add(&text) })
+                .await
+                .unwrap()
+                .unwrap();
+            written.push(seq);
+            tokio::time::sleep(SHIP_EVERY).await;
+        }
+        host.shutdown().await;
+    });
+    let manifest = archive::read_manifest(&archive_root).unwrap();
+    let life = &manifest.lives[0];
+    let earliest = manifest.earliest_ms().unwrap();
+    let through = manifest.through_ms().unwrap();
+    // Old bases went, on disk and in the manifest; what stays still
+    // reaches back a whole retention from the last base.
+    assert!(
+        life.bases.len() >= 2 && earliest > started + 300,
+        "nothing was dropped: {manifest:?}"
+    );
+    let newest = life.bases.last().unwrap().finished_ms;
+    assert!(
+        newest - earliest >= retention.as_millis() as i64 - 150,
+        "retention cut too deep: {earliest} .. {newest}"
+    );
+    let on_disk = base_dirs_on_disk(&archive_root);
+    let named: Vec<PathBuf> = life
+        .bases
+        .iter()
+        .map(|b| archive_root.join(&b.dir))
+        .collect();
+    assert_eq!(on_disk, named, "base directories beyond the manifest's");
+    // The chunks before the oldest base's start are gone, but for the one
+    // a restore from it reads first.
+    let kept = chunks(&archive_root);
+    let from = life.bases[0].from.unwrap();
+    let before = kept
+        .iter()
+        .filter(|path| {
+            let name = path.file_name().unwrap().to_str().unwrap();
+            let (seq, start) = name.trim_end_matches(".passes").split_once('-').unwrap();
+            (seq.parse::<u64>().unwrap(), start.parse::<u64>().unwrap()) < (from.seq, from.offset)
+        })
+        .count();
+    assert!(
+        before <= 2,
+        "{before} chunks before the oldest base's start"
+    );
+    archive::verify(&archive_root).unwrap();
+    // Every moment from the oldest base on restores; one before is refused.
+    let restored = root.path().join("restored");
+    archive::restore_at(&archive_root, &restored, through).unwrap();
+    let mut held: Vec<u64> = (0..OBJECTS)
+        .flat_map(|i| {
+            let id = durability_host::inspect::list_objects(&restored)
+                .unwrap()
+                .into_iter()
+                .find(|o| o.name.as_deref() == Some(name(i).as_str()))
+                .map(|o| ObjectId::new(o.id))
+                .unwrap();
+            notes_in(&restored, &id)
+        })
+        .collect();
+    held.sort_unstable();
+    assert_eq!(held, written);
+    archive::restore_at(&archive_root, root.path().join("at-earliest"), earliest).unwrap();
+    assert!(matches!(
+        archive::restore_at(&archive_root, root.path().join("before"), earliest - 1),
+        Err(ArchiveError::BeforeReach { .. })
+    ));
+}
+
 // ---- A store that fails -------------------------------------------------
 
 #[test]

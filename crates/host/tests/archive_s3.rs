@@ -215,6 +215,70 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
     refused("damaged base", &format!("s3://{BUCKET}/{copy}"));
     server.put(BUCKET, &copy, &bytes);
     archive.verify().unwrap();
+    // Retention in the bucket: bases past it (and the chunks before the
+    // oldest kept one) are deleted from the store, not just forgotten.
+    let short = format!("s3://{BUCKET}/hosts/short");
+    runtime().block_on(async {
+        let host = Host::builder(root.path().join("data-short"))
+            .threads(2)
+            .archive(
+                ArchiveConfig::new(&short)
+                    .unwrap()
+                    .ship_interval(SHIP_EVERY)
+                    .base_interval(Duration::from_millis(150))
+                    .retention(Duration::from_millis(400)),
+            )
+            .build()
+            .unwrap();
+        let notes = notes(&host);
+        for seq in 0..30u64 {
+            let text = seq.to_string();
+            notes
+                .stub(&name(seq as usize % OBJECTS))
+                .unwrap()
+                .call(move |o: Rc<Notes>| async move { o.add(&text) })
+                .await
+                .unwrap()
+                .unwrap();
+            tokio::time::sleep(SHIP_EVERY).await;
+        }
+        host.shutdown().await;
+    });
+    let kept = Archive::open_url(&short).unwrap();
+    let manifest = kept.manifest().unwrap();
+    let bases: Vec<&str> = manifest.lives[0]
+        .bases
+        .iter()
+        .map(|b| b.dir.as_str())
+        .collect();
+    let stored: std::collections::BTreeSet<String> = server
+        .keys(BUCKET, "hosts/short/lives/")
+        .into_iter()
+        .filter_map(|key| {
+            let rest = key.strip_prefix("hosts/short/")?;
+            let at = rest.find("/bases/")? + "/bases/".len();
+            let end = rest[at..].find('/')? + at;
+            Some(rest[..end].to_owned())
+        })
+        .collect();
+    assert_eq!(
+        stored.iter().map(String::as_str).collect::<Vec<_>>(),
+        bases,
+        "the bucket holds the bases the manifest names, no others"
+    );
+    assert!(
+        manifest.earliest_ms().unwrap() > manifest.lives[0].started_ms + 300,
+        "nothing was dropped: {manifest:?}"
+    );
+    kept.verify().unwrap();
+    let restored = root.path().join("restored-short");
+    kept.restore_at(&restored, manifest.through_ms().unwrap())
+        .unwrap();
+    let held: usize = (0..OBJECTS)
+        .map(|i| notes_named(&restored, &name(i)).len())
+        .sum();
+    assert_eq!(held, 30);
+
     let pid = server.pid();
     drop(server);
     assert!(
