@@ -52,7 +52,7 @@ mod store;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
-use std::io::Read as _;
+use std::io::{Read as _, Seek as _};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -80,6 +80,8 @@ pub const DEFAULT_BASE_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 pub const ARCHIVE_MANIFEST_FILE: &str = "archive.json";
 /// The manifest format this release writes and reads.
 pub const ARCHIVE_FORMAT: u32 = 1;
+/// The most journal bytes one chunk holds (unless one pass is larger).
+const CHUNK_MAX_BYTES: u64 = 16 << 20;
 /// First bytes of a chunk file whose data is zstd-compressed (what this
 /// release writes).
 const CHUNK_MAGIC: [u8; 8] = *b"DARCHIV2";
@@ -589,6 +591,8 @@ impl Archiver {
             started_ms: now_ms(),
             last_base_ms: None,
             chunk_end: None,
+            read_buf: Vec::new(),
+            compressor: None,
         };
         std::thread::Builder::new()
             .name("durability-archive".into())
@@ -657,6 +661,10 @@ struct Worker {
     last_base_ms: Option<EpochMs>,
     /// Where the last chunk this life shipped ends.
     chunk_end: Option<Position>,
+    /// The synced bytes of the chunk being shipped (kept: see ship_chunk).
+    read_buf: Vec<u8>,
+    /// zstd's context, made at the first chunk.
+    compressor: Option<zstd::bulk::Compressor<'static>>,
 }
 
 /// A failure of one cycle: logged, counted in the lag, tried again.
@@ -733,7 +741,23 @@ impl Worker {
                 from = to;
                 continue;
             };
-            self.ship_chunk(seq, *nonce, path, &marks[from..to])?;
+            // At most CHUNK_MAX_BYTES a chunk (but one pass at least): an
+            // archive catching up after an outage ships a segment in
+            // pieces, in memory bounded however far behind it fell.
+            let mut start = match self.chunk_end {
+                Some(end) if end.seq == seq => end.offset,
+                _ => 0,
+            };
+            let mut first = from;
+            while first < to {
+                let mut last = first + 1;
+                while last < to && marks[last].end.saturating_sub(start) <= CHUNK_MAX_BYTES {
+                    last += 1;
+                }
+                self.ship_chunk(seq, *nonce, path, &marks[first..last])?;
+                start = marks[last - 1].end;
+                first = last;
+            }
             from = to;
         }
         let shipped = self.chunk_end;
@@ -834,15 +858,26 @@ impl Worker {
             self.shipped(seq, end);
             return Ok(());
         }
-        let len = usize::try_from(end - start).map_err(|_| ArchiveError::Damaged {
-            file: path.to_path_buf(),
-            rule: "a chunk larger than memory".into(),
-        })?;
-        let mut data = vec![0u8; len];
-        File::open(path)
-            .and_then(|file| file.read_exact_at(&mut data, start))
-            .map_err(io(path))?;
+        // Into a buffer kept from cycle to cycle, without zeroing it
+        // first: a fresh one each second would page-fault in every byte
+        // the journal synced (the archive's largest cost, measured).
+        self.read_buf.clear();
+        let read = File::open(path).and_then(|mut file| {
+            file.seek(std::io::SeekFrom::Start(start))?;
+            file.take(end - start).read_to_end(&mut self.read_buf)
+        });
+        match read {
+            Ok(n) if n as u64 == end - start => {}
+            Ok(n) => {
+                return Err(io(path)(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("{n} of the {} synced bytes from {start} read", end - start),
+                )));
+            }
+            Err(error) => return Err(io(path)(error)),
+        }
         let chunk = encode_chunk(
+            &mut self.compressor,
             &ChunkHeader {
                 seq,
                 nonce,
@@ -851,7 +886,7 @@ impl Worker {
                 prev: self.chunk_end,
                 marks: marks.iter().map(|m| (m.end, m.time_ms)).collect(),
             },
-            &data,
+            &self.read_buf,
         );
         self.store.put(&self.chunk_name(seq, start), chunk)?;
         self.chunk_end = Some(Position { seq, offset: end });
@@ -1076,13 +1111,21 @@ struct ChunkHeader {
 
 /// Magic, the header's fields, the data compressed, a SHA-256 of all
 /// before it (of the bytes as stored: a damaged chunk is refused before
-/// anything decompresses it).
-fn encode_chunk(header: &ChunkHeader, data: &[u8]) -> Vec<u8> {
-    match zstd::bulk::compress(data, CHUNK_ZSTD_LEVEL) {
-        Ok(compressed) => encode_chunk_as(CHUNK_MAGIC, header, &compressed),
+/// anything decompresses it). `compressor` is kept between chunks, so
+/// its context is allocated once.
+fn encode_chunk(
+    compressor: &mut Option<zstd::bulk::Compressor<'static>>,
+    header: &ChunkHeader,
+    data: &[u8],
+) -> Vec<u8> {
+    if compressor.is_none() {
+        *compressor = zstd::bulk::Compressor::new(CHUNK_ZSTD_LEVEL).ok();
+    }
+    match compressor.as_mut().map(|c| c.compress(data)) {
+        Some(Ok(compressed)) => encode_chunk_as(CHUNK_MAGIC, header, &compressed),
         // Only an allocation failure of the compressor gets here: the
         // chunk is then stored as it is, which every release reads.
-        Err(_) => encode_chunk_as(CHUNK_MAGIC_RAW, header, data),
+        _ => encode_chunk_as(CHUNK_MAGIC_RAW, header, data),
     }
 }
 
@@ -1919,7 +1962,7 @@ mod tests {
             }),
             marks: vec![(4096 + 5, 17)],
         };
-        let bytes = encode_chunk(&header, b"hello");
+        let bytes = encode_chunk(&mut None, &header, b"hello");
         assert_eq!(bytes[..8], CHUNK_MAGIC);
         let path = Path::new("x.passes");
         let (back, data) = decode_chunk(path, &bytes).expect("decodes");
