@@ -603,6 +603,93 @@ fn retention_drops_old_bases_and_the_chunks_before_them_keeping_every_moment_it_
     ));
 }
 
+#[test]
+fn an_archive_catching_up_ships_the_backlog_in_chunks_of_bounded_size() {
+    let root = tempfile::tempdir().unwrap();
+    let data = root.path().join("data");
+    let archive_root = root.path().join("archive");
+    let aside = root.path().join("archive-aside");
+    // 40 notes of 1 MiB of random hex: over 40 MiB of journal that
+    // compresses about 2 x (one chunk would hold some 20 MB), shipped
+    // after the store comes back.
+    let mut rng = rand::rng();
+    let bodies: Vec<String> = (0..40)
+        .map(|_| {
+            (0..1 << 19)
+                .map(|_| format!("{:02x}", rng.random::<u8>()))
+                .collect()
+        })
+        .collect();
+    runtime().block_on(async {
+        let host = archived_host(&data, &archive_root);
+        let notes = notes(&host);
+        notes
+            .stub(&name(0))
+            .unwrap()
+            .call(|o: Rc<Notes>| async move { o.add("0") })
+            .await
+            .unwrap()
+            .unwrap();
+        while !has_base(&archive_root) || host.archive_lag() != Some(Duration::ZERO) {
+            tokio::time::sleep(SHIP_EVERY).await;
+        }
+        std::fs::rename(&archive_root, &aside).unwrap();
+        std::fs::write(&archive_root, b"not a directory").unwrap();
+        for body in &bodies {
+            let body = body.clone();
+            notes
+                .stub(&name(1))
+                .unwrap()
+                .call(move |o: Rc<Notes>| async move { o.add(&body) })
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        std::fs::remove_file(&archive_root).unwrap();
+        std::fs::rename(&aside, &archive_root).unwrap();
+        while host.archive_lag() != Some(Duration::ZERO) {
+            tokio::time::sleep(SHIP_EVERY).await;
+        }
+        host.shutdown().await;
+    });
+    let sizes: Vec<u64> = chunks(&archive_root)
+        .iter()
+        .map(|path| std::fs::metadata(path).unwrap().len())
+        .collect();
+    // 16 MiB of journal is about 8.6 MB stored; one more 1 MiB pass may
+    // ride along.
+    assert!(
+        sizes.iter().filter(|&&size| size > 1 << 20).count() >= 3,
+        "the backlog went in fewer pieces: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().all(|&size| size <= 10 << 20),
+        "a chunk over 16 MiB of journal: {sizes:?}"
+    );
+    let through = archive::read_manifest(&archive_root).unwrap().lives[0].through_ms;
+    let restored = root.path().join("restored");
+    archive::restore_at(&archive_root, &restored, through).unwrap();
+    let id = durability_host::inspect::list_objects(&restored)
+        .unwrap()
+        .into_iter()
+        .find(|o| o.name.as_deref() == Some(name(1).as_str()))
+        .map(|o| ObjectId::new(o.id))
+        .unwrap();
+    let held = durability_host::inspect::read_object(&restored, id.as_str(), |sql| {
+        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String>(0).unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap()
+    .unwrap();
+    assert!(
+        held == bodies,
+        "the restored notes differ from those written"
+    );
+}
+
 // ---- A store that fails -------------------------------------------------
 
 #[test]
