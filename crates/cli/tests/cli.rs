@@ -261,8 +261,9 @@ fn bench_operations_quick_writes_the_headline_and_cpu_per_operation() {
         .filter(|m| m["name"].as_str().is_some_and(|n| n.ends_with("-callers")))
         .collect();
     // Five modes (the default, its per-WAL flush, FULL, NORMAL, the
-    // default with an archive), two placements, two caller counts.
-    assert_eq!(end_to_end.len(), 20, "{result}");
+    // default with an archive), two placements, two caller counts; then
+    // one paired round of the archive's cost (default, default-archived).
+    assert_eq!(end_to_end.len(), 22, "{result}");
     // The archive's cost from paired rounds (one in a quick run).
     for key in [
         "archive_cost_percent",
