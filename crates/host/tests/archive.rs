@@ -14,7 +14,7 @@ use std::time::Duration;
 use durability_host::archive::{self, ArchiveConfig, ArchiveError};
 use durability_host::{FlushMethod, Host, HostError, ObjectId, Synchronous};
 use rand::Rng as _;
-use support::{Notes, epoch_ms, notes, runtime};
+use support::{Notes, epoch_ms, notes, numbered_notes, numbered_notes_of, object_named, runtime};
 
 const OBJECTS: usize = 6;
 /// Objects the child writer creates once the archive has a base.
@@ -40,19 +40,6 @@ fn archived_host(data: &Path, archive_root: &Path) -> Host {
 
 fn name(i: usize) -> String {
     format!("object-{i}")
-}
-
-/// The notes of object `id` in `dir`, read without a host.
-fn notes_in(dir: &Path, id: &ObjectId) -> Vec<u64> {
-    durability_host::inspect::read_object(dir, id.as_str(), |sql| {
-        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
-            .unwrap()
-            .iter()
-            .map(|row| row.get::<String>(0).unwrap().parse::<u64>().unwrap())
-            .collect::<Vec<_>>()
-    })
-    .unwrap()
-    .unwrap_or_default()
 }
 
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -201,19 +188,11 @@ fn a_restore_at_any_moment_holds_every_note_acknowledged_before_it_and_none_begu
         assert_eq!(report.at_ms, at);
         if ids.is_empty() {
             ids = (0..OBJECTS + NEW_OBJECTS)
-                .map(|i| {
-                    let id = durability_host::inspect::list_objects(&restored)
-                        .unwrap()
-                        .into_iter()
-                        .find(|o| o.name.as_deref() == Some(name(i).as_str()))
-                        .map(|o| ObjectId::new(o.id))
-                        .unwrap();
-                    (name(i), id)
-                })
+                .map(|i| (name(i), object_named(&restored, &name(i))))
                 .collect();
         }
         for (object, id) in &ids {
-            let held = notes_in(&restored, id);
+            let held = numbered_notes(&restored, id);
             for (o, seq, begun, acked) in &acks {
                 if o != object {
                     continue;
@@ -383,13 +362,10 @@ fn moments_before_the_first_base_after_the_last_shipped_pass_or_in_a_gap_are_ref
     let after = manifest.lives[1].through_ms;
     let restored = root.path().join("d");
     archive::restore_at(&archive_root, &restored, after).unwrap();
-    let id = durability_host::inspect::list_objects(&restored)
-        .unwrap()
-        .into_iter()
-        .find(|o| o.name.as_deref() == Some("object-0"))
-        .map(|o| ObjectId::new(o.id))
-        .unwrap();
-    assert_eq!(notes_in(&restored, &id), vec![0, 100, 200, 999]);
+    assert_eq!(
+        numbered_notes_of(&restored, "object-0"),
+        vec![0, 100, 200, 999]
+    );
 }
 
 #[test]
@@ -452,10 +428,7 @@ fn a_host_stopped_before_its_first_base_takes_one_on_its_way_out() {
     assert_eq!(life.bases.len(), 1, "{manifest:?}");
     let restored = root.path().join("restored");
     archive::restore_at(&archive_root, &restored, life.through_ms).unwrap();
-    let id = durability_host::inspect::list_objects(&restored).unwrap()[0]
-        .id
-        .clone();
-    assert_eq!(notes_in(&restored, &ObjectId::new(id)), vec![7]);
+    assert_eq!(numbered_notes_of(&restored, &name(0)), vec![7]);
 }
 
 #[test]
@@ -584,15 +557,7 @@ fn retention_drops_old_bases_and_the_chunks_before_them_keeping_every_moment_it_
     let restored = root.path().join("restored");
     archive::restore_at(&archive_root, &restored, through).unwrap();
     let mut held: Vec<u64> = (0..OBJECTS)
-        .flat_map(|i| {
-            let id = durability_host::inspect::list_objects(&restored)
-                .unwrap()
-                .into_iter()
-                .find(|o| o.name.as_deref() == Some(name(i).as_str()))
-                .map(|o| ObjectId::new(o.id))
-                .unwrap();
-            notes_in(&restored, &id)
-        })
+        .flat_map(|i| numbered_notes_of(&restored, &name(i)))
         .collect();
     held.sort_unstable();
     assert_eq!(held, written);
@@ -669,12 +634,7 @@ fn an_archive_catching_up_ships_the_backlog_in_chunks_of_bounded_size() {
     let through = archive::read_manifest(&archive_root).unwrap().lives[0].through_ms;
     let restored = root.path().join("restored");
     archive::restore_at(&archive_root, &restored, through).unwrap();
-    let id = durability_host::inspect::list_objects(&restored)
-        .unwrap()
-        .into_iter()
-        .find(|o| o.name.as_deref() == Some(name(1).as_str()))
-        .map(|o| ObjectId::new(o.id))
-        .unwrap();
+    let id = object_named(&restored, &name(1));
     let held = durability_host::inspect::read_object(&restored, id.as_str(), |sql| {
         sql.query("SELECT text FROM notes ORDER BY rowid", &[])
             .unwrap()
@@ -759,7 +719,7 @@ fn a_failing_store_lets_the_host_serve_shows_the_lag_and_catches_up_losing_nothi
     archive::restore_at(&archive_root, &restored, at).unwrap();
     for object in durability_host::inspect::list_objects(&restored).unwrap() {
         assert_eq!(
-            notes_in(&restored, &ObjectId::new(object.id.clone())),
+            numbered_notes(&restored, &ObjectId::new(object.id.clone())),
             vec![1, 2, 3],
             "{object:?}"
         );

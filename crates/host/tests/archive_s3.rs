@@ -17,10 +17,10 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use durability_host::archive::{Archive, ArchiveConfig, ArchiveError};
-use durability_host::{Host, ObjectId};
+use durability_host::Host;
 use rand::Rng as _;
 use support::s3::{S3Server, aws_env, free_port};
-use support::{Notes, epoch_ms, notes, runtime};
+use support::{Notes, epoch_ms, notes, numbered_notes_of, runtime};
 
 const BUCKET: &str = "durability-archive";
 const PREFIX: &str = "hosts/one";
@@ -33,25 +33,6 @@ fn url() -> String {
 
 fn name(i: usize) -> String {
     format!("object-{i}")
-}
-
-/// The notes of the object named `object` in the data directory `dir`.
-fn notes_named(dir: &Path, object: &str) -> Vec<u64> {
-    let id = durability_host::inspect::list_objects(dir)
-        .unwrap()
-        .into_iter()
-        .find(|o| o.name.as_deref() == Some(object))
-        .map(|o| ObjectId::new(o.id))
-        .unwrap_or_else(|| panic!("{} holds no {object}", dir.display()));
-    durability_host::inspect::read_object(dir, id.as_str(), |sql| {
-        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
-            .unwrap()
-            .iter()
-            .map(|row| row.get::<String>(0).unwrap().parse::<u64>().unwrap())
-            .collect::<Vec<_>>()
-    })
-    .unwrap()
-    .unwrap_or_default()
 }
 
 #[test]
@@ -146,7 +127,7 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
         assert_eq!(report.objects, OBJECTS as u64);
         for i in 0..OBJECTS {
             let object = name(i);
-            let held = notes_named(&restored, &object);
+            let held = numbered_notes_of(&restored, &object);
             for (o, seq, begun, acked) in &acks {
                 if *o != object {
                     continue;
@@ -162,7 +143,7 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
         }
     }
     assert!(held_checked >= 100, "only {held_checked} notes checked");
-    let everything = notes_named(&root.path().join("restored-0"), &name(0));
+    let everything = numbered_notes_of(&root.path().join("restored-0"), &name(0));
     assert_eq!(
         everything.len(),
         acks.iter().filter(|a| a.0 == name(0)).count()
@@ -275,7 +256,7 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
     kept.restore_at(&restored, manifest.through_ms().unwrap())
         .unwrap();
     let held: usize = (0..OBJECTS)
-        .map(|i| notes_named(&restored, &name(i)).len())
+        .map(|i| numbered_notes_of(&restored, &name(i)).len())
         .sum();
     assert_eq!(held, 30);
 

@@ -136,3 +136,33 @@ pub fn epoch_ms() -> i64 {
     )
     .unwrap()
 }
+
+/// The id of the object named `name` in the `notes` namespace of data
+/// directory `dir`, read without a host.
+pub fn object_named(dir: &std::path::Path, name: &str) -> durability_host::ObjectId {
+    durability_host::inspect::list_objects(dir)
+        .unwrap()
+        .into_iter()
+        .find(|o| o.name.as_deref() == Some(name))
+        .map(|o| durability_host::ObjectId::new(o.id))
+        .unwrap_or_else(|| panic!("{} holds no object named {name}", dir.display()))
+}
+
+/// The notes of object `id` in `dir` as numbers, in insertion order, read
+/// without a host (none if it has no `notes` table yet).
+pub fn numbered_notes(dir: &std::path::Path, id: &durability_host::ObjectId) -> Vec<u64> {
+    durability_host::inspect::read_object(dir, id.as_str(), |sql| {
+        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String>(0).unwrap().parse::<u64>().unwrap())
+            .collect::<Vec<_>>()
+    })
+    .unwrap()
+    .unwrap_or_default()
+}
+
+/// The notes of the object named `name` in `dir` as numbers.
+pub fn numbered_notes_of(dir: &std::path::Path, name: &str) -> Vec<u64> {
+    numbered_notes(dir, &object_named(dir, name))
+}
