@@ -698,8 +698,19 @@ impl Filesystem for PowerCutFilesystem {
         // No FOPEN_DIRECT_IO: shared writable mmap (SQLite's -shm) needs
         // the page cache; the kernel still sends every write, since no
         // writeback cache is negotiated.
+        //
+        // FOPEN_KEEP_CACHE: without it every open drops the file's page
+        // cache, writing back what a live process changed through a shared
+        // mapping and discarding the pages. Once the disk is full
+        // (`fill_at_write`) those writes fail, so another process opening
+        // a -shm would wipe a running SQLite's WAL index: its readers then
+        // miss committed frames, a state no local filesystem shows before
+        // the power goes. Keeping the cache is safe: every change to a
+        // file's data comes through us (write(2) and the write-back of
+        // mapped pages alike), and a cut invalidates every inode's cache
+        // itself.
         match self.do_open(ino, flags) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE),
             Err(e) => reply.error(errno(e)),
         }
     }
