@@ -88,11 +88,12 @@ const CHUNK_MAGIC: [u8; 8] = *b"DARCHIV2";
 /// First bytes of a chunk file whose data is stored as it is (the first
 /// release's chunks; still read).
 const CHUNK_MAGIC_RAW: [u8; 8] = *b"DARCHIV1";
-/// zstd's fastest level: a journal pass is mostly SQLite pages, which
-/// compress several times over at it (26 x on `bench operations`), so an
-/// archive writes and stores a fraction of the journal's bytes for a few
-/// milliseconds of CPU per second.
-const CHUNK_ZSTD_LEVEL: i32 = 1;
+/// One of zstd's fast levels: a journal pass is mostly SQLite pages, which
+/// compress many times over even so (18 x on a `bench operations` chunk,
+/// against 26 x at level 1), at about 3 GB/s where level 1 makes 2 GB/s:
+/// compression is most of the archive's CPU, which competes with the
+/// host's on a loaded machine.
+const CHUNK_ZSTD_LEVEL: i32 = -3;
 
 /// Where and how a host archives its data directory.
 ///
