@@ -16,8 +16,8 @@ use std::path::Path;
 use std::rc::Rc;
 use std::time::Duration;
 
-use durability_host::archive::{Archive, ArchiveConfig, ArchiveError};
 use durability_host::Host;
+use durability_host::archive::{Archive, ArchiveConfig, ArchiveError};
 use rand::Rng as _;
 use support::s3::{S3Server, aws_env, free_port};
 use support::{Notes, epoch_ms, notes, numbered_notes_of, runtime};
