@@ -14,7 +14,9 @@ use std::time::Duration;
 use durability_host::archive::{self, ArchiveConfig, ArchiveError};
 use durability_host::{FlushMethod, Host, HostError, ObjectId, Synchronous};
 use rand::Rng as _;
-use support::{Notes, epoch_ms, notes, numbered_notes, numbered_notes_of, object_named, runtime};
+use support::{
+    Notes, add_note, epoch_ms, notes, numbered_notes, numbered_notes_of, object_named, runtime,
+};
 
 const OBJECTS: usize = 6;
 /// Objects the child writer creates once the archive has a base.
@@ -92,13 +94,7 @@ fn archive_writer_child() {
             let object = name(seq as usize % objects);
             let text = seq.to_string();
             let begun = epoch_ms();
-            notes
-                .stub(&object)
-                .unwrap()
-                .call(move |o: Rc<Notes>| async move { o.add(&text) })
-                .await
-                .unwrap()
-                .unwrap();
+            add_note(&notes, &object, text).await;
             writeln!(acks, "{object} {seq} {begun} {}", epoch_ms()).unwrap();
             if seq % 64 == 0 {
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -244,13 +240,7 @@ fn archived_rounds(root: &Path) -> (PathBuf, i64) {
         for round in 0..3u64 {
             for i in 0..OBJECTS {
                 let text = (round * 100 + i as u64).to_string();
-                notes
-                    .stub(&name(i))
-                    .unwrap()
-                    .call(move |o: Rc<Notes>| async move { o.add(&text) })
-                    .await
-                    .unwrap()
-                    .unwrap();
+                add_note(&notes, &name(i), text).await;
             }
             tokio::time::sleep(SHIP_EVERY * 4).await;
             if round == 0 {
@@ -336,13 +326,7 @@ fn moments_before_the_first_base_after_the_last_shipped_pass_or_in_a_gap_are_ref
     runtime().block_on(async {
         let host = archived_host(&data, &archive_root);
         let notes = notes(&host);
-        notes
-            .stub(&name(0))
-            .unwrap()
-            .call(|o: Rc<Notes>| async move { o.add("999") })
-            .await
-            .unwrap()
-            .unwrap();
+        add_note(&notes, &name(0), "999").await;
         while archive::read_manifest(&archive_root)
             .unwrap()
             .gaps
@@ -413,13 +397,7 @@ fn a_host_stopped_before_its_first_base_takes_one_on_its_way_out() {
             .build()
             .unwrap();
         let notes = notes(&host);
-        notes
-            .stub(&name(0))
-            .unwrap()
-            .call(|o: Rc<Notes>| async move { o.add("7") })
-            .await
-            .unwrap()
-            .unwrap();
+        add_note(&notes, &name(0), "7").await;
         host.shutdown().await;
     });
     let manifest = archive::read_manifest(&archive_root).unwrap();
@@ -502,13 +480,7 @@ fn retention_drops_old_bases_and_the_chunks_before_them_keeping_every_moment_it_
         // Notes over about 2 s: a dozen bases, most of them past retention.
         for seq in 0..40u64 {
             let text = seq.to_string();
-            notes
-                .stub(&name(seq as usize % OBJECTS))
-                .unwrap()
-                .call(move |o: Rc<Notes>| async move { o.add(&text) })
-                .await
-                .unwrap()
-                .unwrap();
+            add_note(&notes, &name(seq as usize % OBJECTS), text).await;
             written.push(seq);
             tokio::time::sleep(SHIP_EVERY).await;
         }
@@ -587,13 +559,7 @@ fn an_archive_catching_up_ships_the_backlog_in_chunks_of_bounded_size() {
     runtime().block_on(async {
         let host = archived_host(&data, &archive_root);
         let notes = notes(&host);
-        notes
-            .stub(&name(0))
-            .unwrap()
-            .call(|o: Rc<Notes>| async move { o.add("0") })
-            .await
-            .unwrap()
-            .unwrap();
+        add_note(&notes, &name(0), "0").await;
         while !has_base(&archive_root) || host.archive_lag() != Some(Duration::ZERO) {
             tokio::time::sleep(SHIP_EVERY).await;
         }
@@ -601,13 +567,7 @@ fn an_archive_catching_up_ships_the_backlog_in_chunks_of_bounded_size() {
         std::fs::write(&archive_root, b"not a directory").unwrap();
         for body in &bodies {
             let body = body.clone();
-            notes
-                .stub(&name(1))
-                .unwrap()
-                .call(move |o: Rc<Notes>| async move { o.add(&body) })
-                .await
-                .unwrap()
-                .unwrap();
+            add_note(&notes, &name(1), body).await;
         }
         std::fs::remove_file(&archive_root).unwrap();
         std::fs::rename(&aside, &archive_root).unwrap();

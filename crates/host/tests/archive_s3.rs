@@ -13,14 +13,13 @@
 mod support;
 
 use std::path::Path;
-use std::rc::Rc;
 use std::time::Duration;
 
 use durability_host::Host;
 use durability_host::archive::{Archive, ArchiveConfig, ArchiveError};
 use rand::Rng as _;
 use support::s3::{S3Server, aws_env, free_port};
-use support::{Notes, epoch_ms, notes, numbered_notes_of, runtime};
+use support::{add_note, epoch_ms, notes, numbered_notes_of, runtime};
 
 const BUCKET: &str = "durability-archive";
 const PREFIX: &str = "hosts/one";
@@ -63,13 +62,7 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
         let mut add = async |acks: &mut Vec<_>, object: String| {
             let text = seq.to_string();
             let begun = epoch_ms();
-            notes
-                .stub(&object)
-                .unwrap()
-                .call(move |o: Rc<Notes>| async move { o.add(&text) })
-                .await
-                .unwrap()
-                .unwrap();
+            add_note(&notes, &object, text).await;
             acks.push((object, seq, begun, epoch_ms()));
             seq += 1;
         };
@@ -214,13 +207,7 @@ fn an_s3_archive_survives_an_unreachable_store_restores_any_moment_and_refuses_d
         let notes = notes(&host);
         for seq in 0..30u64 {
             let text = seq.to_string();
-            notes
-                .stub(&name(seq as usize % OBJECTS))
-                .unwrap()
-                .call(move |o: Rc<Notes>| async move { o.add(&text) })
-                .await
-                .unwrap()
-                .unwrap();
+            add_note(&notes, &name(seq as usize % OBJECTS), text).await;
             tokio::time::sleep(SHIP_EVERY).await;
         }
         host.shutdown().await;

@@ -166,3 +166,16 @@ pub fn numbered_notes(dir: &std::path::Path, id: &durability_host::ObjectId) -> 
 pub fn numbered_notes_of(dir: &std::path::Path, name: &str) -> Vec<u64> {
     numbered_notes(dir, &object_named(dir, name))
 }
+
+/// Adds note `text` to the object named `object` and waits for the reply
+/// (released once the note is durable in the default mode).
+pub async fn add_note(notes: &Namespace<Notes>, object: &str, text: impl Into<String>) {
+    let text = text.into();
+    notes
+        .stub(object)
+        .unwrap()
+        .call(move |o: Rc<Notes>| async move { o.add(&text) })
+        .await
+        .unwrap()
+        .unwrap();
+}
