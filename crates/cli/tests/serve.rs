@@ -78,6 +78,17 @@ impl Running {
     }
 }
 
+impl Drop for Running {
+    /// A test that fails before it interrupts the process still stops it,
+    /// by its pid, rather than leaving a server running.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
