@@ -327,11 +327,7 @@ fn run_restore_at(
         None => archive
             .manifest()
             .map_err(failed)?
-            .lives
-            .iter()
-            .filter(|life| !life.bases.is_empty())
-            .map(|life| life.through_ms)
-            .max()
+            .through_ms()
             .unwrap_or(0),
     };
     let report = archive.restore_at(&args.dir, at_ms).map_err(failed)?;

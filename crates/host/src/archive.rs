@@ -1354,11 +1354,7 @@ impl Archive {
         let Some((life, base)) = chosen else {
             return Err(ArchiveError::BeforeReach {
                 at_ms,
-                earliest_ms: manifest
-                    .lives
-                    .iter()
-                    .flat_map(|l| l.bases.iter().map(|b| b.finished_ms))
-                    .min(),
+                earliest_ms: manifest.earliest_ms(),
             });
         };
         if at_ms > life.through_ms {
