@@ -15,7 +15,8 @@ use durability_host::archive::{self, ArchiveConfig, ArchiveError};
 use durability_host::{FlushMethod, Host, HostError, ObjectId, Synchronous};
 use rand::Rng as _;
 use support::{
-    Notes, add_note, epoch_ms, notes, numbered_notes, numbered_notes_of, object_named, runtime,
+    Notes, add_note, epoch_ms, notes, notes_in, numbered_notes, numbered_notes_of, object_named,
+    runtime,
 };
 
 const OBJECTS: usize = 6;
@@ -604,16 +605,7 @@ fn an_archive_catching_up_ships_the_backlog_in_chunks_of_bounded_size() {
     let through = archive::read_manifest(&archive_root).unwrap().lives[0].through_ms;
     let restored = root.path().join("restored");
     archive::restore_at(&archive_root, &restored, through).unwrap();
-    let id = object_named(&restored, &name(1));
-    let held = durability_host::inspect::read_object(&restored, id.as_str(), |sql| {
-        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
-            .unwrap()
-            .iter()
-            .map(|row| row.get::<String>(0).unwrap())
-            .collect::<Vec<_>>()
-    })
-    .unwrap()
-    .unwrap();
+    let held = notes_in(&restored, &object_named(&restored, &name(1)));
     assert!(
         held == bodies,
         "the restored notes differ from those written"

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use durability_host::backup::{self, BackupError, Manifest, Problem, Restore};
 use durability_host::{Host, HostError, ObjectId};
-use support::{Notes, epoch_ms, notes, runtime};
+use support::{Notes, epoch_ms, notes, notes_in, runtime};
 
 const OBJECTS: usize = 12;
 
@@ -37,20 +37,6 @@ async fn add_everywhere(notes: &durability_host::Namespace<Notes>, note: &str) {
             .unwrap()
             .unwrap();
     }
-}
-
-/// The notes of object `name` in the data directory `dir`, read without a
-/// host (as a dashboard reads them).
-fn notes_in(dir: &Path, id: &ObjectId) -> Vec<String> {
-    durability_host::inspect::read_object(dir, id.as_str(), |sql| {
-        sql.query("SELECT text FROM notes ORDER BY rowid", &[])
-            .unwrap()
-            .iter()
-            .map(|row| row.get::<String>(0).unwrap())
-            .collect::<Vec<_>>()
-    })
-    .unwrap()
-    .unwrap_or_default()
 }
 
 /// A data directory of `OBJECTS` objects with notes "a" and "b", and a

@@ -148,18 +148,26 @@ pub fn object_named(dir: &std::path::Path, name: &str) -> durability_host::Objec
         .unwrap_or_else(|| panic!("{} holds no object named {name}", dir.display()))
 }
 
-/// The notes of object `id` in `dir` as numbers, in insertion order, read
-/// without a host (none if it has no `notes` table yet).
-pub fn numbered_notes(dir: &std::path::Path, id: &durability_host::ObjectId) -> Vec<u64> {
+/// The notes of object `id` in `dir`, in insertion order, read without a
+/// host as a dashboard reads them (none if it has no `notes` table yet).
+pub fn notes_in(dir: &std::path::Path, id: &durability_host::ObjectId) -> Vec<String> {
     durability_host::inspect::read_object(dir, id.as_str(), |sql| {
         sql.query("SELECT text FROM notes ORDER BY rowid", &[])
             .unwrap()
             .iter()
-            .map(|row| row.get::<String>(0).unwrap().parse::<u64>().unwrap())
+            .map(|row| row.get::<String>(0).unwrap())
             .collect::<Vec<_>>()
     })
     .unwrap()
     .unwrap_or_default()
+}
+
+/// The notes of object `id` in `dir` as numbers (see [`notes_in`]).
+pub fn numbered_notes(dir: &std::path::Path, id: &durability_host::ObjectId) -> Vec<u64> {
+    notes_in(dir, id)
+        .iter()
+        .map(|text| text.parse::<u64>().unwrap())
+        .collect()
 }
 
 /// The notes of the object named `name` in `dir` as numbers.
