@@ -332,10 +332,7 @@ impl Store {
         match self {
             Store::Directory(root) => {
                 let path = root.join(rel);
-                match std::fs::remove_file(&path) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
-                    _ => Ok(()),
-                }
+                gone_already_ok(std::fs::remove_file(&path)).map_err(io(&path))
             }
             Store::S3(s3) => {
                 let location = object_path(rel);
@@ -356,10 +353,7 @@ impl Store {
         match self {
             Store::Directory(root) => {
                 let path = root.join(rel);
-                match std::fs::remove_dir_all(&path) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&path)(e)),
-                    _ => Ok(()),
-                }
+                gone_already_ok(std::fs::remove_dir_all(&path)).map_err(io(&path))
             }
             // One listing, then S3's bulk delete (up to 1,000 keys a
             // request): a base of 10,000 objects goes in a few requests.
@@ -435,6 +429,14 @@ impl S3Store {
             url: format!("{}/{rel}", self.url),
             message: error.to_string(),
         }
+    }
+}
+
+/// A removal of what is already gone is no failure.
+fn gone_already_ok(removed: std::io::Result<()>) -> std::io::Result<()> {
+    match removed {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other,
     }
 }
 
