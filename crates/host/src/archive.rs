@@ -1932,6 +1932,15 @@ mod tests {
     }
 
     #[test]
+    fn an_archive_keeps_7_days_ships_every_second_and_takes_a_base_a_day_by_default() {
+        let config = ArchiveConfig::new("file:///a/b").expect("a valid URL");
+        assert_eq!(config.retention, Duration::from_secs(7 * 24 * 3600));
+        assert_eq!(config.ship_interval, Duration::from_secs(1));
+        assert_eq!(config.base_interval, Duration::from_secs(24 * 3600));
+        assert_eq!(config.invalid(), None);
+    }
+
+    #[test]
     fn urls_other_than_absolute_file_urls_and_s3_buckets_are_refused() {
         assert!(ArchiveConfig::new("file:///a/b").is_ok());
         assert!(ArchiveConfig::new("s3://bucket/prefix").is_ok());

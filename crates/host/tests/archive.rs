@@ -382,6 +382,44 @@ fn the_archive_is_refused_in_modes_without_the_journal_naming_the_mode() {
 }
 
 #[test]
+fn archive_settings_out_of_their_bounds_are_refused_at_build_naming_the_setting() {
+    let root = tempfile::tempdir().unwrap();
+    let config = ArchiveConfig::new(&url(&root.path().join("archive"))).unwrap();
+    for (bad, named) in [
+        (
+            config.clone().retention(Duration::ZERO),
+            "archive retention",
+        ),
+        (
+            config.clone().ship_interval(Duration::ZERO),
+            "archive ship_interval",
+        ),
+        (
+            config.clone().ship_interval(Duration::from_secs(61)),
+            "archive ship_interval",
+        ),
+        (
+            config.clone().base_interval(Duration::ZERO),
+            "archive base_interval",
+        ),
+    ] {
+        match Host::builder(root.path().join("data"))
+            .threads(1)
+            .archive(bad)
+            .build()
+        {
+            Err(HostError::InvalidSetting { setting, .. }) => assert_eq!(setting, named),
+            Err(other) => panic!("{named}: {other}"),
+            Ok(_) => panic!("{named}: built"),
+        }
+    }
+    assert!(
+        !root.path().join("archive").exists(),
+        "a refused build wrote to the archive"
+    );
+}
+
+#[test]
 fn a_host_stopped_before_its_first_base_takes_one_on_its_way_out() {
     let root = tempfile::tempdir().unwrap();
     let data = root.path().join("data");
